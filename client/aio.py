@@ -1,0 +1,399 @@
+"""``AsyncKVClient``: the asyncio client, the one implementation of the client logic.
+
+One client talks to one server, or to several (``addr`` a list): keys are then
+spread by rendezvous hashing (:mod:`.sharding`) and each batch operation costs
+one round trip per server, in parallel. Each server gets a small pool of
+pipelined connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import xxhash
+
+from kvstore.errors import (
+    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout,
+    ServerError, TransportError, from_code,
+)
+from kvstore.protocol import (
+    DEFAULT_LIMITS, EXISTED, STORED, Delete, Exists, Flush, Get, Limits, Lookup, Message, Ping, Put, Stats, Unpin,
+    check_key, iter_payload,
+)
+
+from .connection import ClientConnection, Response, open_connection
+from .sharding import Ring
+
+T = TypeVar("T")
+
+
+def checksum(block: memoryview) -> int:
+    """The block checksum stored beside every block: xxh3-64 (tens of GB/s)."""
+    return xxhash.xxh3_64_intdigest(block)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Outcome of a put: counts, and per key ``"stored"``, ``"existed"`` or ``"failed"``."""
+
+    stored: int
+    existed: int
+    failed: int
+    statuses: list[str]
+    errors: dict[int, KVStoreError] = field(default_factory=dict)
+
+
+def _parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidRequest(f"address must be 'host:port', got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class _GetSink:
+    """Receives a GET reply's blocks into new buffers, or into the caller's."""
+
+    def __init__(self, fields: dict[str, Any], n: int, buffers: Sequence[memoryview] | None) -> None:
+        sizes, sums = fields.get("sizes"), fields.get("checksums")
+        if not isinstance(sizes, list) or len(sizes) != n or not isinstance(sums, list) or len(sums) != n:
+            raise ProtocolError("malformed GET reply")
+        self.index = [i for i, s in enumerate(sizes) if type(s) is int and s >= 0]
+        self.sizes = [sizes[i] for i in self.index]
+        self.checksums = sums
+        self.buffers = buffers
+        self.out: list[memoryview | bytearray | None] = [None] * n
+        self.errors: dict[int, KVStoreError] = {}
+
+    def target(self, j: int) -> list[memoryview] | None:
+        i, size = self.index[j], self.sizes[j]
+        if self.buffers is None:
+            buf = bytearray(size)
+            self.out[i] = buf
+            return [memoryview(buf)]
+        dst = self.buffers[i]
+        if len(dst) != size:
+            self.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(dst)}")
+            return None
+        self.out[i] = dst
+        return [dst]
+
+
+class _Node:
+    """One server: a small pool of pipelined connections, opened lazily."""
+
+    def __init__(self, addr: str, client: AsyncKVClient) -> None:
+        self.addr = addr
+        self.host, self.port = _parse_addr(addr)
+        self.client = client
+        self.conns: list[ClientConnection] = []
+        self._lock = asyncio.Lock()
+
+    async def connection(self) -> ClientConnection:
+        self.conns = [c for c in self.conns if not c.closed]
+        idle = [c for c in self.conns if c.in_flight == 0]
+        if idle:
+            return idle[0]
+        if len(self.conns) < self.client.pool_size:
+            async with self._lock:
+                if len([c for c in self.conns if not c.closed]) < self.client.pool_size:
+                    c = self.client
+                    conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
+                                                 limits=c.limits, timeout=c.connect_timeout,
+                                                 server_hostname=c.server_hostname or self.host)
+                    self.conns.append(conn)
+                    return conn
+        live = [c for c in self.conns if not c.closed]
+        if not live:
+            return await self.connection()
+        return min(live, key=lambda c: c.in_flight)
+
+    async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
+                   make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True) -> Response:
+        c = self.client
+        attempts = 1 + (c.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                conn = await self.connection()
+                return await asyncio.wait_for(conn.request(msg, payload, payload_len, make_sink), c.timeout)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
+            except TransportError:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(c.backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+
+class AsyncKVClient:
+    """Asyncio client of one kvstore server, or of several (keys sharded).
+
+    Args:
+        addr: ``"host:port"`` or a list of them.
+        namespace: the namespace every operation works in.
+        token: shared secret, when the server requires one.
+        tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
+        pool_size: connections per server.
+        timeout: seconds a request may take before ``RequestTimeout``.
+        retries: retries of idempotent requests after a transport error.
+        verify: check each block's checksum on get (``IntegrityError`` on mismatch).
+    """
+
+    def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", *, namespace: str = "default",
+                 token: str | None = None, tls: ssl.SSLContext | bool | str | None = None, pool_size: int = 4,
+                 timeout: float = 30.0, connect_timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
+                 verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None) -> None:
+        addrs = [addr] if isinstance(addr, str) else list(addr)
+        if not addrs:
+            raise InvalidRequest("no server address given")
+        self.namespace = namespace
+        self.token = token
+        self.tls = _ssl_context(tls)
+        self.server_hostname = server_hostname
+        self.pool_size = max(1, pool_size)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.verify = verify
+        self.limits = limits
+        self.nodes = [_Node(a, self) for a in addrs]
+        self.ring = Ring([n.addr for n in self.nodes])
+
+    async def __aenter__(self) -> AsyncKVClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open one connection per server now (fails fast on a wrong address or token)."""
+        await asyncio.gather(*(n.connection() for n in self.nodes))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(n.close() for n in self.nodes))
+
+    # -- sharding helpers
+    def _groups(self, keys: Sequence[bytes]) -> list[tuple[_Node, list[int]]]:
+        """Key indexes per server, each list in the keys' order."""
+        if len(self.nodes) == 1:
+            return [(self.nodes[0], list(range(len(keys))))]
+        groups: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(self.ring.node_of(k), []).append(i)
+        return [(self.nodes[n], idx) for n, idx in groups.items()]
+
+    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, list[int]], Awaitable[T]]) -> list[tuple[list[int], T]]:
+        groups = self._groups(keys)
+        results = await asyncio.gather(*(fn(node, idx) for node, idx in groups))
+        return [(idx, r) for (_, idx), r in zip(groups, results)]
+
+    # -- the API
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
+        """Store blocks under content keys. Keys already stored are not stored again (``existed``).
+
+        Raises:
+            CapacityError (or another ServerError) when some block could not be stored;
+            the exception's ``result`` attribute holds the per-key outcome.
+        """
+        keys = _checked_keys(keys)
+        views = iter_payload(blocks)
+        if len(views) != len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
+        sums = [checksum(v) for v in views]
+
+        async def one(node: _Node, idx: list[int]) -> list[tuple[int, str | None]]:
+            msg = Put(keys=[keys[i] for i in idx], sizes=[len(views[i]) for i in idx], checksums=[sums[i] for i in idx])
+            resp = await node.call(msg, [views[i] for i in idx], sum(msg.sizes))
+            status, errors = resp.fields.get("status"), resp.fields.get("errors") or {}
+            if not isinstance(status, list) or len(status) != len(idx):
+                raise ProtocolError("malformed PUT reply")
+            return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+
+        statuses: list[str] = [""] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+        for idx, outcome in await self._per_node(keys, one):
+            for i, (code, message) in zip(idx, outcome):
+                if code == STORED:
+                    statuses[i] = "stored"
+                elif code == EXISTED:
+                    statuses[i] = "existed"
+                else:
+                    statuses[i] = "failed"
+                    errors[i] = from_code(code, message or "block not stored")
+        result = PutResult(statuses.count("stored"), statuses.count("existed"), len(errors), statuses, errors)
+        if errors:
+            first = errors[min(errors)]
+            exc = type(first)(f"{len(errors)} of {len(keys)} blocks not stored: {first}")
+            exc.result = result  # type: ignore[attr-defined]
+            raise exc
+        return result
+
+    async def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
+        """How many leading keys are present: the largest m with keys[:m] all stored.
+
+        One round trip per server. ``pin=True`` leases those blocks (``lease_ms``,
+        default the server's) so eviction cannot take them before the fetch.
+        """
+        keys = _checked_keys(keys)
+        if not keys:
+            return 0
+
+        async def one(node: _Node, idx: list[int]) -> int:
+            resp = await node.call(Lookup(keys=[keys[i] for i in idx], pin=pin, lease_ms=lease_ms))
+            n = resp.fields.get("n")
+            if type(n) is not int or not 0 <= n <= len(idx):
+                raise ProtocolError("malformed LOOKUP reply")
+            return n
+
+        first_missing = len(keys)
+        for idx, n in await self._per_node(keys, one):
+            if n < len(idx):
+                first_missing = min(first_missing, idx[n])
+        return first_missing
+
+    async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
+        """The blocks, in key order; ``None`` where a key is missing."""
+        out = await self._get(keys, None, unpin)
+        return out  # type: ignore[return-value]
+
+    async def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, unpin: bool = False) -> list[bool]:
+        """Receive blocks straight into writable buffers of exactly the blocks' sizes.
+
+        Returns per key whether it was found. Raises ``BlockSizeError`` when a
+        buffer's size differs from its block's (after the whole reply is read).
+        """
+        views = []
+        for i, b in enumerate(buffers):
+            mv = memoryview(b)
+            if mv.readonly or not mv.c_contiguous:
+                raise BlockSizeError(f"buffer {i} is not a writable contiguous buffer")
+            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        if len(views) != len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but {len(views)} buffers")
+        out = await self._get(keys, views, unpin)
+        return [b is not None for b in out]
+
+    async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
+                   unpin: bool) -> list[memoryview | bytearray | None]:
+        keys = _checked_keys(keys)
+
+        async def one(node: _Node, idx: list[int]) -> _GetSink:
+            bufs = [buffers[i] for i in idx] if buffers is not None else None
+            resp = await node.call(Get(keys=[keys[i] for i in idx], unpin=unpin),
+                                   make_sink=lambda f: _GetSink(f, len(idx), bufs))
+            if resp.sink is None:  # no block present: no payload, no sink
+                return _GetSink(resp.fields, len(idx), bufs)
+            assert isinstance(resp.sink, _GetSink)
+            return resp.sink
+
+        out: list[memoryview | bytearray | None] = [None] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+        for idx, sink in await self._per_node(keys, one):
+            for j, i in enumerate(idx):
+                blob = sink.out[j]
+                if blob is not None and self.verify and sink.checksums[j] and checksum(memoryview(blob)) != sink.checksums[j]:
+                    errors[i] = IntegrityError(f"block {i} (key {keys[i].hex()}) failed its checksum")
+                    blob = None
+                out[i] = blob
+            errors.update({idx[j]: e for j, e in sink.errors.items()})
+        if errors:
+            first = errors[min(errors)]
+            exc = type(first)(f"{len(errors)} of {len(keys)} blocks unusable: {first}")
+            exc.result = out  # type: ignore[attr-defined]
+            raise exc
+        return out
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = _checked_keys(keys)
+        return await self._bools(keys, lambda sub: Exists(keys=sub), "present")
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks; returns how many were present."""
+        return await self._count(_checked_keys(keys), lambda sub: Delete(keys=sub))
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        """Drop one lease per key (from ``lookup(pin=True)``); returns how many were dropped."""
+        return await self._count(_checked_keys(keys), lambda sub: Unpin(keys=sub), idempotent=False)
+
+    async def flush(self, namespace: str | None = None) -> int:
+        """Delete every block of a namespace (this client's by default) on every server."""
+        resps = await asyncio.gather(*(n.call(Flush(namespace=namespace or self.namespace), idempotent=True)
+                                       for n in self.nodes))
+        return sum(_int_field(r, "n") for r in resps)
+
+    async def stats(self) -> dict[str, Any]:
+        """The server's statistics; with several servers, ``{"servers": {addr: stats}}``."""
+        resps = await asyncio.gather(*(n.call(Stats()) for n in self.nodes))
+        stats = [r.fields.get("stats") for r in resps]
+        if any(not isinstance(s, dict) for s in stats):
+            raise ProtocolError("malformed STATS reply")
+        if len(self.nodes) == 1:
+            return stats[0]  # type: ignore[return-value]
+        return {"servers": {n.addr: s for n, s in zip(self.nodes, stats)}}
+
+    async def ping(self) -> float:
+        """Round-trip time in seconds (the slowest server's, when several)."""
+        loop = asyncio.get_running_loop()
+
+        async def one(node: _Node) -> float:
+            t0 = loop.time()
+            await node.call(Ping())
+            return loop.time() - t0
+
+        return max(await asyncio.gather(*(one(n) for n in self.nodes)))
+
+    async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
+        async def one(node: _Node, idx: list[int]) -> list[bool]:
+            resp = await node.call(make([keys[i] for i in idx]))
+            vals = resp.fields.get(name)
+            if not isinstance(vals, list) or len(vals) != len(idx):
+                raise ProtocolError(f"malformed reply: {name}")
+            return [bool(v) for v in vals]
+
+        out = [False] * len(keys)
+        for idx, vals in await self._per_node(keys, one):
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out
+
+    async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
+        async def one(node: _Node, idx: list[int]) -> int:
+            return _int_field(await node.call(make([keys[i] for i in idx]), idempotent=idempotent), "n")
+
+        return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
+
+
+def _int_field(resp: Response, name: str) -> int:
+    v = resp.fields.get(name)
+    if type(v) is not int:
+        raise ProtocolError(f"malformed reply: {name}")
+    return v
+
+
+def _checked_keys(keys: Sequence[bytes]) -> list[bytes]:
+    keys = [bytes(k) if isinstance(k, (bytearray, memoryview)) else k for k in keys]
+    for k in keys:
+        check_key(k)
+    return keys
+
+
+def _ssl_context(tls: ssl.SSLContext | bool | str | None) -> ssl.SSLContext | None:
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=tls)
+
+
+__all__ = ["AsyncKVClient", "PutResult"]

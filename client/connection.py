@@ -1,0 +1,194 @@
+"""One client connection: pipelined requests matched to replies by request id.
+
+Replies' payloads are received by ``recv_into`` straight into their destination
+(the caller's buffers for ``get_into``). A connection on which anything went
+wrong mid-request -- a cancelled or timed-out request, a protocol error, a
+lost peer -- is closed and never reused: its byte stream may be out of step,
+and a cancelled ``get_into`` must never write into a buffer its caller got back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import ssl
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kvstore.errors import KVStoreError, ProtocolError, TransportError, from_code
+from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
+
+SinkFactory = Callable[[dict[str, Any]], PayloadSink]
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[Any]
+    make_sink: SinkFactory | None
+    fields: dict[str, Any] | None = None
+    sink: PayloadSink | None = None
+    receiving: bool = False
+
+
+@dataclass
+class Response:
+    fields: dict[str, Any]
+    sink: PayloadSink | None = None
+
+
+class ClientConnection(asyncio.BufferedProtocol):
+    def __init__(self, limits: Limits) -> None:
+        self.reader = FrameReader(limits, is_server=False)
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._current: _Pending | None = None
+        self._can_write: asyncio.Future[None] | None = None
+        self.closed = False
+        self.close_reason: KVStoreError | None = None
+        self.hello: dict[str, Any] = {}
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = self.close_reason or TransportError(f"connection lost: {exc}" if exc else "connection closed by server")
+        self._fail_all(reason)
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_exception(reason)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            while not self.closed:
+                event = self.reader.next_event()
+                if event is NEED_DATA:
+                    return
+                if isinstance(event, Frame):
+                    self._on_frame(event)
+                elif isinstance(event, PayloadDone):
+                    self._on_done(event.request_id)
+        except ProtocolError as exc:
+            self.abort(exc)
+        except Exception as exc:  # e.g. a sink rejecting a size: the stream can't be trusted now
+            self.abort(ProtocolError(f"client failed to handle a reply: {exc!r}"))
+
+    def pause_writing(self) -> None:
+        self._can_write = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+        self._can_write = None
+
+    # -- replies
+    def _on_frame(self, frame: Frame) -> None:
+        msg = frame.msg
+        if isinstance(msg, ErrorReply) and frame.request_id == 0:
+            # the server could not tie the error to a request: it closes the connection
+            self.abort(from_code(msg.code, msg.message))
+            return
+        p = self.pending.get(frame.request_id)
+        if p is None:
+            raise ProtocolError(f"reply to unknown request {frame.request_id}")
+        if isinstance(msg, ErrorReply):
+            del self.pending[frame.request_id]
+            if not p.future.done():
+                p.future.set_exception(from_code(msg.code, msg.message))
+            return
+        assert isinstance(msg, Reply)
+        p.fields = msg.fields
+        if frame.payload_len:
+            if p.make_sink is None:
+                raise ProtocolError("unexpected payload in reply")
+            p.sink = p.make_sink(msg.fields)
+            p.receiving = True
+            self.reader.set_sink(p.sink)
+        else:
+            self._on_done(frame.request_id)
+
+    def _on_done(self, rid: int) -> None:
+        p = self.pending.pop(rid)
+        if not p.future.done():
+            p.future.set_result(Response(p.fields or {}, p.sink))
+
+    def _fail_all(self, exc: KVStoreError) -> None:
+        self.closed = True
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    # -- requests
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    async def request(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
+                      make_sink: SinkFactory | None = None) -> Response:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise self.close_reason or TransportError("connection is closed")
+        rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = _Pending(fut, make_sink)
+        try:
+            self.transport.writelines(encode(msg, rid, payload, payload_len))
+            if self._can_write is not None:
+                await self._can_write
+            return await fut
+        except asyncio.CancelledError:
+            # The caller gave up (timeout or cancel): its buffers may still be referenced by
+            # the transport or about to receive bytes. Drop the connection.
+            self.abort(TransportError("request cancelled; connection discarded"))
+            raise
+
+    def abort(self, reason: KVStoreError) -> None:
+        if self.close_reason is None:
+            self.close_reason = reason
+        self._fail_all(reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def open_connection(host: str, port: int, *, namespace: str, token: str | None, tls: ssl.SSLContext | None,
+                          limits: Limits, timeout: float, server_hostname: str | None = None) -> ClientConnection:
+    loop = asyncio.get_running_loop()
+    try:
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: ClientConnection(limits), host, port, ssl=tls,
+                                   server_hostname=server_hostname if tls else None),
+            timeout,
+        )
+    except asyncio.TimeoutError:
+        raise TransportError(f"timed out connecting to {host}:{port}") from None
+    except ssl.SSLError as exc:
+        raise TransportError(f"TLS handshake with {host}:{port} failed: {exc.reason or exc}") from None
+    except OSError as exc:
+        raise TransportError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        resp = await asyncio.wait_for(conn.request(Hello(namespace=namespace, token=token, client="kvstore-py")),
+                                      timeout)
+    except asyncio.TimeoutError:
+        conn.abort(TransportError("HELLO timed out"))
+        raise TransportError(f"{host}:{port} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
+    except BaseException:
+        conn.close()
+        raise
+    conn.hello = resp.fields
+    return conn
+
+
+__all__ = ["ClientConnection", "Response", "open_connection"]

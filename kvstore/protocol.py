@@ -1,0 +1,591 @@
+"""The kvstore wire protocol, sans-IO: bytes in, messages out, and back.
+
+No sockets and no asyncio here (the approach of h11): the server and the client
+feed received bytes into a :class:`FrameReader` and write what :func:`encode`
+returns. The byte layout is documented in ``docs/protocol.md``; in short, every
+frame is::
+
+    header   20 bytes  "!2sBBIIQ": magic b"KV", version, op, request id, meta length, payload length
+    meta     msgpack map (the message's fields)          -- never block bytes
+    payload  raw block bytes, concatenated in key order  -- never msgpack
+
+Block bytes never pass through msgpack, so they can be received straight into
+their final buffers: after a frame's head (header + meta) the reader asks its
+consumer where each block goes (:class:`PayloadSink`), one block at a time, so
+a lying length can make the receiver reserve at most one block.
+
+Invariant (checked by a Hypothesis test): any byte string either parses or
+raises :class:`~kvstore.errors.ProtocolError` -- nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Protocol, Sequence
+
+import msgpack
+
+from .errors import InvalidRequest, ProtocolError, TooLarge
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("!2sBBIIQ")
+HEADER_SIZE = HEADER.size  # 20
+
+MIN_KEY_LEN = 1
+MAX_KEY_LEN = 128
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes checked before anything big is buffered or reserved.
+
+    The meta limit bounds the only buffer the reader grows on a peer's say-so;
+    4 MiB holds a batch of 16384 keys of 128 bytes with room to spare.
+    """
+
+    max_meta: int = 4 << 20
+    max_payload: int = 2 << 30
+    max_batch: int = 16384
+    max_block: int = 1 << 30
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    """A frame's meta as a typed value; ``OP`` is its wire op code."""
+
+    OP: ClassVar[int] = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], payload_len: int, limits: Limits) -> Message:
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in meta.items() if k in names})
+        except TypeError as exc:  # a required field is missing
+            raise InvalidRequest(f"{cls.__name__}: {exc}") from None
+
+
+def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
+    if not isinstance(keys, list):
+        raise InvalidRequest("keys must be a list of byte strings")
+    if len(keys) > limits.max_batch:
+        raise TooLarge(f"batch of {len(keys)} keys is over the limit of {limits.max_batch}")
+    if not keys and not allow_empty:
+        raise InvalidRequest("empty batch")
+    for k in keys:
+        check_key(k)
+
+
+def check_key(key: Any) -> None:
+    """Keys are opaque bytes of 1..128 bytes (a sha256 chain hash is 32)."""
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"a key must be bytes, not {type(key).__name__}")
+    if not MIN_KEY_LEN <= len(key) <= MAX_KEY_LEN:
+        raise InvalidRequest(f"key length {len(key)} is outside {MIN_KEY_LEN}..{MAX_KEY_LEN} bytes")
+
+
+def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 - 1) -> None:
+    if not isinstance(values, list) or len(values) != n:
+        raise InvalidRequest(f"{name} must be a list of {n} integers")
+    for v in values:
+        if type(v) is not int or not lo <= v <= hi:
+            raise InvalidRequest(f"{name} holds {v!r}, not an integer in {lo}..{hi}")
+
+
+class _KeysRequest(Message):
+    """Base for requests that carry only a batch of keys."""
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _check_keys(self.keys, limits)  # type: ignore[attr-defined]
+        _no_payload(self, payload_len)
+
+
+def _no_payload(msg: Message, payload_len: int) -> None:
+    if payload_len:
+        raise InvalidRequest(f"{type(msg).__name__} carries no payload")
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    OP: ClassVar[int] = 1
+    version: int = VERSION
+    namespace: str = "default"
+    token: str | None = None
+    client: str = ""
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _no_payload(self, payload_len)
+        if type(self.version) is not int:
+            raise InvalidRequest("version must be an integer")
+        if not isinstance(self.namespace, str) or not 1 <= len(self.namespace) <= 256:
+            raise InvalidRequest("namespace must be a string of 1..256 characters")
+        if self.token is not None and not isinstance(self.token, str):
+            raise InvalidRequest("token must be a string")
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    OP: ClassVar[int] = 2
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _no_payload(self, payload_len)
+
+
+@dataclass(frozen=True)
+class Put(Message):
+    """Store blocks; the payload is the blocks in key order, ``sizes`` bytes each.
+
+    ``checksums`` (xxh3-64 of each block, or an empty list) is stored with the
+    block and returned on every get, so the reader can verify it end to end.
+    """
+
+    OP: ClassVar[int] = 3
+    keys: list[bytes] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _check_keys(self.keys, limits)
+        _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
+        if self.checksums:
+            _check_ints("checksums", self.checksums, len(self.keys))
+        if sum(self.sizes) != payload_len:
+            raise InvalidRequest(f"sizes add up to {sum(self.sizes)} but the payload has {payload_len} bytes")
+
+
+@dataclass(frozen=True)
+class Lookup(_KeysRequest):
+    """The longest present prefix of ``keys``; ``pin`` leases those blocks for ``lease_ms``."""
+
+    OP: ClassVar[int] = 4
+    keys: list[bytes] = field(default_factory=list)
+    pin: bool = False
+    lease_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Get(_KeysRequest):
+    """Blocks in key order; ``unpin`` also drops one lease per key once read."""
+
+    OP: ClassVar[int] = 5
+    keys: list[bytes] = field(default_factory=list)
+    unpin: bool = False
+
+
+@dataclass(frozen=True)
+class Exists(_KeysRequest):
+    OP: ClassVar[int] = 6
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Delete(_KeysRequest):
+    OP: ClassVar[int] = 7
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Unpin(_KeysRequest):
+    OP: ClassVar[int] = 8
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Stats(Message):
+    OP: ClassVar[int] = 9
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _no_payload(self, payload_len)
+
+
+@dataclass(frozen=True)
+class Flush(Message):
+    """Delete every block of a namespace (the connection's own when empty)."""
+
+    OP: ClassVar[int] = 10
+    namespace: str = ""
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _no_payload(self, payload_len)
+        if not isinstance(self.namespace, str):
+            raise InvalidRequest("namespace must be a string")
+
+
+REQUESTS: dict[int, type[Message]] = {
+    cls.OP: cls for cls in (Hello, Ping, Put, Lookup, Get, Exists, Delete, Unpin, Stats, Flush)
+}
+
+REPLY_BIT = 0x80
+ERROR_OP = 0xFF
+
+# Per-key outcome of a PUT (the other values are error codes from kvstore.errors).
+STORED = 0
+EXISTED = 1
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    """A reply's meta is free-form: a dict of plain values for the op that asked."""
+
+    OP: ClassVar[int] = REPLY_BIT
+    op: int = 0
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def to_meta(self) -> dict[str, Any]:
+        return self.fields
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    OP: ClassVar[int] = ERROR_OP
+    code: int = 8
+    message: str = ""
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode(
+    msg: Message, request_id: int, payload: Sequence[memoryview | bytes] = (), payload_len: int | None = None
+) -> list[bytes | memoryview]:
+    """The buffers of one frame: head (header + meta) first, then the payload
+    buffers untouched, ready for a scatter-gather write (``writelines``)."""
+    op = msg.op | REPLY_BIT if isinstance(msg, Reply) else msg.OP
+    meta = msgpack.packb(msg.to_meta(), use_bin_type=True)
+    if payload_len is None:
+        payload_len = sum(len(memoryview(p).cast("B")) for p in payload)
+    head = HEADER.pack(MAGIC, VERSION, op, request_id & 0xFFFFFFFF, len(meta), payload_len) + meta
+    return [head, *payload]
+
+
+def reply(op: int, request_id: int, payload: Sequence[memoryview | bytes] = (), payload_len: int | None = None,
+          **fields: Any) -> list[bytes | memoryview]:
+    return encode(Reply(op=op, fields=fields), request_id, payload, payload_len)
+
+
+def error_reply(request_id: int, code: int, message: str) -> list[bytes | memoryview]:
+    return encode(ErrorReply(code=code, message=message[:1000]), request_id)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A frame's head has been parsed. ``msg`` is a validated request, a
+    :class:`Reply` or an :class:`ErrorReply`; or ``error`` is set when the frame is
+    well-formed but its meta is not a valid request (the payload is then skipped)."""
+
+    op: int
+    request_id: int
+    payload_len: int
+    msg: Message | None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class PayloadDone:
+    """Every payload byte of the frame ``request_id`` has been delivered."""
+
+    request_id: int
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+
+class PayloadSink(Protocol):
+    """Where a frame's payload goes: block ``i`` has ``sizes[i]`` bytes and is
+    received into ``target(i)`` (views adding up to exactly that size) or
+    dropped when ``target(i)`` is None. ``target`` is called lazily, when the
+    first byte of block ``i`` is about to arrive."""
+
+    sizes: Sequence[int]
+
+    def target(self, i: int) -> list[memoryview] | None: ...
+
+
+class _Discard:
+    def __init__(self, n: int) -> None:
+        self.sizes = [n]
+
+    def target(self, i: int) -> None:
+        return None
+
+
+_BUF_SIZE = 256 << 10
+
+
+class FrameReader:
+    """Incremental frame parser that can lend out its next receive buffer.
+
+    Use: ``buf = reader.get_buffer(); n = sock.recv_into(buf); reader.buffer_updated(n)``,
+    then ``reader.next_event()`` until it returns ``NEED_DATA``. After a
+    :class:`Frame` with a payload, call :meth:`set_sink` before the next event
+    (without it the payload is discarded). While a payload block is being
+    received, :meth:`get_buffer` returns the block's own destination, so the
+    bytes land there without a copy.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, *, is_server: bool = True) -> None:
+        self.limits = limits
+        self.is_server = is_server
+        self._buf = bytearray(_BUF_SIZE)
+        self._view = memoryview(self._buf)
+        self._r = 0  # first unconsumed byte in _buf
+        self._w = 0  # end of received bytes in _buf
+        self._header: tuple[int, int, int, int] | None = None  # op, rid, meta_len, payload_len
+        # payload state
+        self._rid = 0
+        self._sink: PayloadSink | None = None
+        self._item = 0  # index of the block being received
+        self._left_in_item = 0
+        self._targets: list[memoryview] = []  # remaining destination views of the current block
+        self._discarding = False
+        self._payload_left = 0
+        self._in_payload = False
+        self._lent_target = False
+        self.frames = 0
+
+    # -- receiving
+    @property
+    def in_frame(self) -> bool:
+        """True between a frame's first byte and its last (the stream is mid-frame)."""
+        return self._header is not None or self._in_payload or self._w > self._r
+
+    def get_buffer(self) -> memoryview:
+        if self._payload_left and self._r == self._w and not self._discarding:
+            self._ensure_targets()
+            if self._targets:
+                self._lent_target = True
+                return self._targets[0]
+        self._lent_target = False
+        if self._r == self._w:
+            self._r = self._w = 0
+            if len(self._buf) > _BUF_SIZE:  # a big meta has been parsed: give its buffer back
+                self._buf = bytearray(_BUF_SIZE)
+                self._view = memoryview(self._buf)
+        elif len(self._buf) - self._w < 4096:
+            self._compact()
+        return self._view[self._w:]
+
+    def buffer_updated(self, n: int) -> None:
+        if self._lent_target:
+            self._lent_target = False
+            self._advance_target(n)
+        else:
+            self._w += n
+
+    def feed(self, data: bytes) -> None:
+        """Push bytes in (tests and non-buffered transports); copies as get_buffer would."""
+        mv = memoryview(data)
+        while mv:
+            buf = self.get_buffer()
+            n = min(len(buf), len(mv))
+            buf[:n] = mv[:n]
+            self.buffer_updated(n)
+            mv = mv[n:]
+
+    def buffered(self) -> bytes:
+        """The received bytes not parsed yet (to recognise a foreign protocol)."""
+        return bytes(self._view[self._r:self._w])
+
+    def set_sink(self, sink: PayloadSink) -> None:
+        if sum(sink.sizes) != self._payload_left or self._sink is not None and self._item:
+            raise ValueError("a sink must cover exactly the pending payload")
+        self._sink = sink
+        self._item = 0
+        self._left_in_item = sink.sizes[0] if sink.sizes else 0
+        self._targets = []
+        self._discarding = False
+        self._skip_empty_items()
+
+    # -- events
+    def next_event(self) -> Frame | PayloadDone | _NeedData:
+        if self._in_payload:
+            if self._sink is None:
+                self.set_sink(_Discard(self._payload_left))
+            self._drain_buffered_payload()
+            if self._payload_left:
+                return NEED_DATA
+            self._sink = None
+            self._in_payload = False
+            return PayloadDone(self._rid)
+        if self._header is None:
+            if self._w - self._r < HEADER_SIZE:
+                return NEED_DATA
+            self._header = self._parse_header(self._view[self._r:self._r + HEADER_SIZE])
+            self._r += HEADER_SIZE
+        op, rid, meta_len, payload_len = self._header
+        if self._w - self._r < meta_len:
+            if meta_len > len(self._buf) - self._r:
+                self._grow(meta_len)
+            return NEED_DATA
+        meta_bytes = self._view[self._r:self._r + meta_len]
+        self._r += meta_len
+        self._header = None
+        self.frames += 1
+        self._rid, self._payload_left = rid, payload_len
+        self._in_payload = payload_len > 0
+        self._sink = None
+        msg, error = self._parse_meta(op, meta_bytes, payload_len)
+        return Frame(op, rid, payload_len, msg, error)
+
+    # -- internals
+    def _parse_header(self, raw: memoryview) -> tuple[int, int, int, int]:
+        magic, version, op, rid, meta_len, payload_len = HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}: not a kvstore frame")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+        if meta_len > self.limits.max_meta:
+            raise ProtocolError(f"meta of {meta_len} bytes is over the limit of {self.limits.max_meta}")
+        if payload_len > self.limits.max_payload:
+            raise ProtocolError(f"payload of {payload_len} bytes is over the limit of {self.limits.max_payload}")
+        if self.is_server and op not in REQUESTS:
+            raise ProtocolError(f"unknown op {op}")
+        if not self.is_server and op != ERROR_OP and not (op & REPLY_BIT and op & ~REPLY_BIT in REQUESTS):
+            raise ProtocolError(f"unknown reply op {op}")
+        return op, rid, meta_len, payload_len
+
+    def _parse_meta(self, op: int, raw: memoryview, payload_len: int) -> tuple[Message | None, Exception | None]:
+        try:
+            meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises many types on garbage
+            raise ProtocolError(f"bad msgpack meta: {exc.__class__.__name__}") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError("meta must be a msgpack map")
+        if op == ERROR_OP:
+            code, message = meta.get("code"), meta.get("message")
+            if type(code) is not int or not isinstance(message, str):
+                raise ProtocolError("malformed error reply")
+            return ErrorReply(code=code, message=message), None
+        if op & REPLY_BIT:
+            return Reply(op=op & ~REPLY_BIT, fields=meta), None
+        cls = REQUESTS[op]
+        try:
+            msg = cls.from_meta(meta, payload_len, self.limits)
+            msg.validate(payload_len, self.limits)  # type: ignore[attr-defined]
+        except (InvalidRequest, TooLarge) as exc:
+            return None, exc
+        return msg, None
+
+    def _grow(self, meta_len: int) -> None:
+        """A fresh, larger buffer holding the unparsed bytes (the old one may still be lent out)."""
+        n = self._w - self._r
+        buf = bytearray(max(meta_len, _BUF_SIZE))
+        buf[:n] = self._view[self._r:self._w]
+        self._buf, self._view = buf, memoryview(buf)
+        self._r, self._w = 0, n
+
+    def _compact(self) -> None:
+        n = self._w - self._r
+        if self._r:
+            self._view[:n] = self._view[self._r:self._w]
+            self._r, self._w = 0, n
+
+    def _ensure_targets(self) -> None:
+        """Ask the sink for the current block's destination when it starts."""
+        if self._targets or self._discarding or not self._left_in_item:
+            return
+        assert self._sink is not None
+        item_size = self._sink.sizes[self._item]
+        if self._left_in_item != item_size:
+            return  # a block already partly dropped stays dropped
+        views = self._sink.target(self._item)
+        if views is None:
+            self._discarding = True
+        else:
+            views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+            if sum(len(v) for v in views) != item_size:
+                raise ValueError("sink target does not match the block size")
+            self._targets = [v for v in views if len(v)]
+
+    def _advance_target(self, n: int) -> None:
+        head = self._targets[0]
+        if n == len(head):
+            self._targets.pop(0)
+        else:
+            self._targets[0] = head[n:]
+        self._consumed(n)
+
+    def _consumed(self, n: int) -> None:
+        self._left_in_item -= n
+        self._payload_left -= n
+        if self._left_in_item == 0:
+            self._targets = []
+            self._discarding = False
+            self._item += 1
+            self._skip_empty_items()
+
+    def _skip_empty_items(self) -> None:
+        assert self._sink is not None
+        sizes = self._sink.sizes
+        while self._item < len(sizes) and sizes[self._item] == 0:
+            self._sink.target(self._item)  # let the sink see zero-length blocks too
+            self._item += 1
+        self._left_in_item = sizes[self._item] if self._item < len(sizes) else 0
+
+    def _drain_buffered_payload(self) -> None:
+        """Move payload bytes that arrived in the head buffer to their targets."""
+        while self._payload_left and self._w > self._r:
+            self._ensure_targets()
+            n = min(self._w - self._r, self._left_in_item)
+            if not self._discarding:
+                head = self._targets[0]
+                n = min(n, len(head))
+                head[:n] = self._view[self._r:self._r + n]
+                self._r += n
+                self._advance_target(n)
+            else:
+                self._r += n
+                self._consumed(n)
+        if self._r == self._w:
+            self._r = self._w = 0
+
+
+# --------------------------------------------------------------------------- foreign protocols
+
+_HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"PRI * ")
+
+
+def foreign_reply(data: bytes | memoryview) -> bytes | None:
+    """A reply a human's tool understands, when the first bytes are HTTP or Redis RESP.
+
+    Nothing else can be framed for them; the connection is closed after it.
+    """
+    head = bytes(data[:8])
+    if head.startswith(_HTTP_METHODS):
+        body = b"This is a kvstore server; it speaks the kvstore binary protocol (docs/protocol.md), not HTTP.\n"
+        return (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    if head[:1] in (b"*", b"$") or head.upper().startswith((b"PING", b"INFO", b"AUTH", b"HELLO")):
+        return b"-ERR this is a kvstore server, not Redis (see docs/protocol.md)\r\n"
+    return None
+
+
+def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
+    """Flat byte views of bytes-like blocks (bytes, bytearray, memoryview, numpy
+    arrays, anything exporting a C-contiguous buffer), without copying."""
+    views = []
+    for b in blocks:
+        mv = memoryview(b)
+        if not mv.c_contiguous:
+            raise InvalidRequest("a block must be a C-contiguous buffer")
+        views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    return views

@@ -1,0 +1,233 @@
+"""One client connection: a thin asyncio shell around the codec and the service.
+
+Bytes arrive through ``BufferedProtocol`` so a PUT's payload is received by
+``recv_into`` straight into store reservations. Replies go out with
+``writelines`` (header + meta, then the blocks' memory, uncopied); blocks stay
+pinned until the transport has handed them to the kernel. Back-pressure: a
+connection whose unsent replies pass ``max_pending_out`` stops being read until
+they drain, so a client that writes fast and reads slowly cannot balloon the
+server's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any, Callable
+
+from kvstore.errors import ProtocolError
+from kvstore.protocol import (
+    Delete, Exists, Flush, Frame, FrameReader, Get, Hello, Limits, Lookup, NEED_DATA, PayloadDone, Ping, Put,
+    Stats, Unpin, error_reply, foreign_reply, reply,
+)
+from kvstore.store import BlockRef
+
+from .service import PutSink, Service, Session, error_fields
+
+log = logging.getLogger(__name__)
+
+_OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists",
+             Delete: "delete", Unpin: "unpin", Stats: "stats", Flush: "flush"}
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, service: Service, limits: Limits, on_close: Callable[[Connection], None]) -> None:
+        self.service = service
+        self.reader = FrameReader(limits, is_server=True)
+        self.session = Session()
+        self.on_close = on_close
+        self.transport: asyncio.Transport | None = None
+        self.put_sink: PutSink | None = None
+        self.put_rid = 0
+        self.unsent_refs: list[BlockRef] = []  # blocks in the transport's buffer, pinned until written
+        self.output_pending = False
+        self.reading_paused = False
+        self.closing = False
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # high=0: pause_writing/resume_writing tell exactly when unsent output exists and when it drained.
+        transport.set_write_buffer_limits(high=0, low=0)
+        peer = transport.get_extra_info("peername")
+        self.session.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        self.service.counters.connections += 1
+        self.service.counters.connections_total += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.put_sink is not None:
+            self.put_sink.abort()
+            self.put_sink = None
+        self._release_unsent()
+        self.service.counters.connections -= 1
+        self.idle.set()
+        self.on_close(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.service.counters.bytes_in += nbytes
+        self._process()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def pause_writing(self) -> None:
+        self.output_pending = True
+        if self.transport is not None and self.transport.get_write_buffer_size() > self.service.config.max_pending_out:
+            self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.output_pending = False
+        self._release_unsent()
+        if self.reading_paused:
+            self.reading_paused = False
+            if self.transport is not None and not self.closing:
+                self.transport.resume_reading()
+        self._update_idle()
+
+    # -- frame handling
+    def _process(self) -> None:
+        while not self.closing:
+            try:
+                event = self.reader.next_event()
+            except ProtocolError as exc:
+                self._protocol_failure(exc)
+                return
+            except Exception as exc:  # a bug must not take the server down
+                log.exception("internal error on connection from %s", self.session.peer)
+                self._protocol_failure(exc)
+                return
+            if event is NEED_DATA:
+                break
+            if isinstance(event, Frame):
+                self._on_frame(event)
+            elif isinstance(event, PayloadDone):
+                self._on_payload_done(event)
+        self._update_idle()
+
+    def _on_frame(self, frame: Frame) -> None:
+        msg = frame.msg
+        name = _OP_NAMES.get(type(msg), "invalid")
+        if frame.error is not None or msg is None:
+            self._send_error(frame.request_id, name, frame.error or ProtocolError("invalid request"))
+            return
+        try:
+            self.service.check_allowed(self.session, msg)
+            if isinstance(msg, Put):
+                self.put_sink = self.service.begin_put(self.session, msg)
+                self.put_rid = frame.request_id
+                if frame.payload_len:
+                    self.reader.set_sink(self.put_sink)
+                else:
+                    self._finish_put()
+                return
+            self._dispatch(frame.request_id, name, msg)
+        except Exception as exc:
+            self._send_error(frame.request_id, name, exc)
+
+    def _dispatch(self, rid: int, name: str, msg: Any) -> None:
+        svc, s = self.service, self.session
+        if isinstance(msg, Get):
+            res = svc.get(s, msg)
+            self._write(reply(msg.OP, rid, res.payload, **res.fields), res.refs)
+            svc.counters.count(name)
+            return
+        handler = {
+            Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Exists: svc.exists, Delete: svc.delete,
+            Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
+        }[type(msg)]
+        fields = handler(s, msg)
+        self._write(reply(msg.OP, rid, **fields))
+        svc.counters.count(name)
+
+    def _on_payload_done(self, event: PayloadDone) -> None:
+        if self.put_sink is not None and event.request_id == self.put_rid:
+            self._finish_put()
+
+    def _finish_put(self) -> None:
+        sink, self.put_sink = self.put_sink, None
+        assert sink is not None
+        try:
+            fields = sink.commit()
+        except Exception as exc:
+            sink.abort()
+            self._send_error(self.put_rid, "put", exc)
+            return
+        self._write(reply(Put.OP, self.put_rid, **fields))
+        self.service.counters.count("put")
+
+    # -- output
+    def _write(self, buffers: list[Any], refs: list[BlockRef] | None = None) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            if refs:
+                self.service.release(refs)
+            return
+        transport.writelines(buffers)
+        self.service.counters.bytes_out += sum(len(b) for b in buffers)
+        if refs:
+            if transport.get_write_buffer_size():
+                self.unsent_refs.extend(refs)  # still referenced by the transport
+            else:
+                self.service.release(refs)
+
+    def _send_error(self, rid: int, name: str, exc: BaseException) -> None:
+        code, message = error_fields(exc)
+        if code == 8:
+            log.error("internal error serving %s from %s: %r", name, self.session.peer, exc)
+        self.service.counters.count(name, failed=True)
+        self._write(error_reply(rid, code, message))
+
+    def _protocol_failure(self, exc: BaseException) -> None:
+        """Answer once (in a form the peer may understand) and close."""
+        log.warning("closing connection from %s: %s", self.session.peer, exc)
+        self.service.counters.count("malformed", failed=True)
+        first = self.reader.buffered()[:16] if self.reader.frames == 0 else b""
+        foreign = foreign_reply(first) if first else None
+        if foreign is not None and self.transport is not None:
+            self.transport.write(foreign)
+        else:
+            code, message = error_fields(exc)
+            self._write(error_reply(0, code, message))
+        self.close()
+
+    # -- lifecycle
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def _release_unsent(self) -> None:
+        if self.unsent_refs:
+            refs, self.unsent_refs = self.unsent_refs, []
+            self.service.release(refs)
+
+    def _update_idle(self) -> None:
+        busy = self.reader.in_frame or self.put_sink is not None or self.output_pending
+        if busy:
+            self.idle.clear()
+        else:
+            self.idle.set()
+            if self.draining:
+                self.close()
+
+    def close(self) -> None:
+        """Close after flushing what was already written."""
+        if not self.closing and self.transport is not None:
+            self.closing = True
+            self.transport.close()
+
+    def start_drain(self) -> None:
+        """Finish the request in progress, flush its reply, then close."""
+        self.draining = True
+        self._update_idle()

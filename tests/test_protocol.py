@@ -1,0 +1,197 @@
+"""The codec with no sockets: a client-side and a server-side reader over an in-memory link."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import InvalidRequest, ProtocolError, TooLarge
+from kvstore.protocol import (
+    HEADER, MAGIC, NEED_DATA, VERSION, Delete, ErrorReply, Exists, Flush, Frame, FrameReader, Get, Hello, Limits,
+    Lookup, PayloadDone, Ping, Put, Reply, Stats, Unpin, encode, error_reply, foreign_reply, reply,
+)
+
+
+class ListSink:
+    def __init__(self, sizes: list[int], drop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.sizes = sizes
+        self.bufs = [bytearray(s) for s in sizes]
+        self.drop = drop
+
+    def target(self, i: int) -> list[memoryview] | None:
+        return None if i in self.drop else [memoryview(self.bufs[i])]
+
+
+def wire(buffers: list) -> bytes:
+    return b"".join(bytes(b) for b in buffers)
+
+
+def events(reader: FrameReader, data: bytes, chunk: int = 7, sink_for=None) -> list:
+    """Feed data in small chunks, collecting events; sink_for(frame) supplies payload sinks."""
+    out = []
+    for i in range(0, len(data), chunk):
+        reader.feed(data[i:i + chunk])
+        while (ev := reader.next_event()) is not NEED_DATA:
+            out.append(ev)
+            if isinstance(ev, Frame) and ev.payload_len and sink_for is not None:
+                reader.set_sink(sink_for(ev))
+    return out
+
+
+REQUESTS = [
+    Hello(namespace="llama/bf16/tp0", token="s3cret", client="t"),
+    Ping(),
+    Lookup(keys=[b"a" * 32, b"b" * 32], pin=True, lease_ms=500),
+    Get(keys=[b"k1", b"k2"], unpin=True),
+    Exists(keys=[b"x"]),
+    Delete(keys=[b"x", b"y"]),
+    Unpin(keys=[b"x"]),
+    Stats(),
+    Flush(namespace="ns"),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_every_request_round_trips(msg) -> None:
+    reader = FrameReader(is_server=True)
+    (frame,) = events(reader, wire(encode(msg, 42)))
+    assert frame.request_id == 42 and frame.error is None
+    assert frame.msg == msg
+
+
+def test_put_payload_lands_in_sink_targets_and_dropped_blocks_are_skipped() -> None:
+    blocks = [b"A" * 1000, b"", b"B" * 70000, b"C" * 5]
+    msg = Put(keys=[b"1", b"2", b"3", b"4"], sizes=[len(b) for b in blocks], checksums=[1, 2, 3, 4])
+    data = wire(encode(msg, 7, blocks)) + wire(encode(Ping(), 8))
+    sinks = []
+
+    def sink_for(frame: Frame) -> ListSink:
+        sinks.append(ListSink(frame.msg.sizes, drop={3}))
+        return sinks[-1]
+
+    for chunk in (1, 13, 4096, len(data)):
+        sinks.clear()
+        evs = events(FrameReader(), data, chunk, sink_for)
+        assert [type(e) for e in evs] == [Frame, PayloadDone, Frame]
+        assert evs[0].msg == msg and evs[1].request_id == 7 and isinstance(evs[2].msg, Ping)
+        assert [bytes(b) for b in sinks[0].bufs[:3]] == blocks[:3]
+        assert bytes(sinks[0].bufs[3]) == b"\0" * 5  # dropped: never written
+
+
+def test_payload_without_sink_is_discarded_and_stream_stays_in_step() -> None:
+    data = wire(encode(Put(keys=[b"k"], sizes=[300000]), 1, [b"z" * 300000])) + wire(encode(Ping(), 2))
+    evs = events(FrameReader(), data, 65536)
+    assert [type(e) for e in evs] == [Frame, PayloadDone, Frame]
+
+
+def test_get_buffer_lends_the_sink_target_for_zero_copy_receive() -> None:
+    block = bytes(range(256)) * 4096  # 1 MiB
+    data = wire(encode(Put(keys=[b"k"], sizes=[len(block)]), 1, [block]))
+    reader = FrameReader()
+    head_len = len(data) - len(block)
+    reader.feed(data[:head_len])
+    frame = reader.next_event()
+    sink = ListSink([len(block)])
+    reader.set_sink(sink)
+    assert reader.next_event() is NEED_DATA
+    buf = reader.get_buffer()
+    assert buf.obj is sink.bufs[0]  # the destination itself, not an intermediate buffer
+    buf[:] = block
+    reader.buffer_updated(len(block))
+    assert isinstance(reader.next_event(), PayloadDone)
+    assert bytes(sink.bufs[0]) == block and frame.request_id == 1
+
+
+def test_replies_and_errors_parse_on_the_client_side() -> None:
+    data = wire(reply(Lookup.OP, 5, n=3)) + wire(error_reply(6, 5, "no room"))
+    evs = events(FrameReader(is_server=False), data)
+    assert evs[0].msg == Reply(op=Lookup.OP, fields={"n": 3})
+    assert evs[1].msg == ErrorReply(code=5, message="no room") and evs[1].request_id == 6
+
+
+@pytest.mark.parametrize(
+    "msg, exc",
+    [
+        (Lookup(keys=[b""]), InvalidRequest),
+        (Lookup(keys=[b"x" * 129]), InvalidRequest),
+        (Lookup(keys=["text"]), InvalidRequest),  # type: ignore[list-item]
+        (Lookup(keys=[b"k"] * 20), TooLarge),
+        (Hello(namespace=""), InvalidRequest),
+        (Put(keys=[b"k"], sizes=[-1]), InvalidRequest),
+        (Put(keys=[b"k", b"j"], sizes=[1]), InvalidRequest),
+    ],
+)
+def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
+    reader = FrameReader(Limits(max_batch=16))
+    (frame,) = events(reader, wire(encode(msg, 3)))
+    assert frame.msg is None and isinstance(frame.error, exc)
+
+
+def test_put_whose_sizes_lie_about_the_payload_is_invalid() -> None:
+    msg = Put(keys=[b"k"], sizes=[10])
+    head = encode(msg, 1, [b"x" * 4], payload_len=4)
+    (frame, done) = events(FrameReader(), wire(head) + b"x" * 4)
+    assert isinstance(frame.error, InvalidRequest) and isinstance(done, PayloadDone)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"XX" + bytes(18), "magic"),
+        (HEADER.pack(MAGIC, VERSION + 1, 2, 1, 0, 0), "version"),
+        (HEADER.pack(MAGIC, VERSION, 99, 1, 0, 0), "unknown op"),
+        (HEADER.pack(MAGIC, VERSION, 2, 1, 1 << 30, 0), "meta"),
+        (HEADER.pack(MAGIC, VERSION, 3, 1, 5, 1 << 50), "payload"),
+        (HEADER.pack(MAGIC, VERSION, 2, 1, 3, 0) + b"\xc1\xc1\xc1", "msgpack"),
+        (HEADER.pack(MAGIC, VERSION, 2, 1, 2, 0) + msgpack.packb([1]), "map"),
+    ],
+)
+def test_malformed_frames_raise_protocol_error(data: bytes, match: str) -> None:
+    reader = FrameReader(Limits(max_meta=1 << 20))
+    reader.feed(data)
+    with pytest.raises(ProtocolError, match=match):
+        reader.next_event()
+
+
+def test_lying_meta_length_allocates_nothing_before_the_bytes_arrive() -> None:
+    reader = FrameReader(Limits(max_meta=1 << 20))
+    reader.feed(HEADER.pack(MAGIC, VERSION, 2, 1, 1 << 20, 0))
+    assert reader.next_event() is NEED_DATA
+    assert len(reader._buf) <= 2 << 20  # bounded by the limit, never by a claimed payload
+
+
+def test_foreign_protocols_get_a_reply_they_understand() -> None:
+    assert foreign_reply(b"GET / HTTP/1.1\r\n").startswith(b"HTTP/1.1 400")
+    assert foreign_reply(b"*1\r\n$4\r\nPING\r\n").startswith(b"-ERR")
+    assert foreign_reply(b"\x00\x01garbage") is None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300), st.sampled_from([True, False]))
+def test_any_bytes_parse_or_raise_protocol_error(data: bytes, is_server: bool) -> None:
+    reader = FrameReader(Limits(max_meta=4096, max_payload=1 << 20), is_server=is_server)
+    try:
+        events(reader, data, chunk=17)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 255), st.binary(max_size=64), st.integers(0, 70))
+def test_well_framed_random_meta_parses_or_raises_protocol_error(op: int, meta: bytes, payload_len: int) -> None:
+    data = HEADER.pack(MAGIC, VERSION, op, 1, len(meta), payload_len) + meta + bytes(payload_len)
+    try:
+        evs = events(FrameReader(Limits(max_meta=4096)), data, chunk=9)
+    except ProtocolError:
+        return
+    assert isinstance(evs[0], Frame)
+
+
+def test_header_layout_is_stable() -> None:
+    # documented in docs/protocol.md: 20 bytes, network order
+    assert HEADER.size == 20
+    assert struct.unpack("!2sBBIIQ", wire(encode(Ping(), 9))[:20]) == (b"KV", 1, 2, 9, 1, 0)
