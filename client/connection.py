@@ -14,7 +14,7 @@ import itertools
 import socket
 import ssl
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from kvstore.errors import KVStoreError, ProtocolError, TransportError, from_code
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
@@ -51,7 +51,7 @@ class ClientConnection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -67,6 +67,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         return self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.reader.buffer_updated(nbytes)
         try:
             while not self.closed:
                 event = self.reader.next_event()

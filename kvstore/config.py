@@ -10,6 +10,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from .protocol import Limits
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -49,6 +51,30 @@ class ServerConfig:
     log_level: str = "info"
     max_pending_out: int = 64 << 20  # stop reading a connection whose unsent replies exceed this
     prefault: bool = True
+    # Backing tier (kvstore.server.redis_tier): at most one of redis / redis_cluster.
+    redis: str | None = None  # redis://[:password@]host:port/db or rediss://...
+    redis_cluster: str | None = None  # "host:port,host:port" (startup nodes of a Redis Cluster)
+    redis_mode: str = "write-through"  # or "write-behind"
+    redis_queue_bytes: int = 256 << 20  # write-behind queue bound; puts wait while it is full
+    redis_ttl: int = 0  # seconds until a stored block expires in Redis; 0 = never
+    redis_timeout: float = 2.0  # socket timeout; short, so a dead Redis cannot stall the server
+    # Operations and hardening (docs/operations.md).
+    metrics_port: int | None = None  # HTTP /metrics + /healthz on `host`; None = off, 0 = any free port
+    log_format: str = "kv"  # "kv" (key=value) or "json", one line per event
+    token_file: str | None = None  # shared-secret tokens, `TOKEN` or `NAMESPACE_GLOB:TOKEN` per line
+    tls_cert: str | None = None  # PEM certificate chain; TLS needs both cert and key
+    tls_key: str | None = None
+    idle_timeout: float = 300.0  # close a connection that sent nothing and awaits nothing this long; 0 = never
+    frame_timeout: float = 60.0  # drop a connection whose started frame is not complete this long; 0 = never
+    max_connections: int = 1024  # connections over the cap get an error reply and are closed
+    max_batch: int = 16384  # keys per request
+    max_frame_size: int = 2 << 30  # payload bytes per frame
+    max_block: int = 1 << 30  # bytes per block
+
+    def limits(self) -> Limits:
+        """The codec limits these settings ask for; the meta limit grows with the batch limit."""
+        return Limits(max_meta=max(4 << 20, self.max_batch * 256), max_payload=self.max_frame_size,
+                      max_batch=self.max_batch, max_block=self.max_block)
 
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)

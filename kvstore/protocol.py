@@ -428,6 +428,8 @@ class FrameReader:
             return PayloadDone(self._rid)
         if self._header is None:
             if self._w - self._r < HEADER_SIZE:
+                if self._w - self._r >= len(MAGIC) and self._view[self._r:self._r + len(MAGIC)] != MAGIC:
+                    raise ProtocolError("bad magic: not a kvstore frame")  # say so without waiting for more
                 return NEED_DATA
             self._header = self._parse_header(self._view[self._r:self._r + HEADER_SIZE])
             self._r += HEADER_SIZE

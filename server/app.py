@@ -12,10 +12,12 @@ import signal
 from typing import Any
 
 from kvstore.config import ServerConfig, format_size
-from kvstore.protocol import Limits
 from kvstore.store import BlockStore
 
-from .connection import Connection
+from .auth import server_tls_context, warn_if_exposed
+from .connection import Connection, RejectedConnection
+from .metrics import MetricsServer
+from .redis_tier import RedisTier
 from .service import Service
 
 log = logging.getLogger(__name__)
@@ -28,15 +30,21 @@ class Server:
             config.capacity, eviction=config.eviction, page_size=config.page_size,
             lease_s=config.lease_seconds, prefault=config.prefault,
         )
-        self.service = Service(self.store, config)
-        self.limits = Limits()
+        self.tier = RedisTier.from_config(config)  # None: memory only
+        self.service = Service(self.store, config, self.tier)
+        self.limits = config.limits()
+        self.tls = server_tls_context(config.tls_cert, config.tls_key)
+        self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.port: int | None = None
 
-    def _new_connection(self) -> Connection:
+    def _new_connection(self) -> Connection | RejectedConnection:
+        if len(self.connections) >= self.config.max_connections:
+            self.service.counters.connections_rejected += 1
+            return RejectedConnection(self.config.max_connections)
         conn = Connection(self.service, self.limits, self.connections.discard)
         self.connections.add(conn)
         return conn
@@ -44,18 +52,52 @@ class Server:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        if self.tier is not None:
+            await self.tier.start()  # a Redis that is down only makes it start degraded
         srv = await loop.create_server(self._new_connection, self.config.host, self.config.port,
-                                       reuse_address=True, backlog=1024)
+                                       reuse_address=True, backlog=1024, ssl=self.tls,
+                                       ssl_handshake_timeout=(self.config.frame_timeout or None) if self.tls else None)
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self._housekeeping()))
-        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s", self.config.host, self.port,
-                 format_size(self.store.stats()["capacity"]), self.config.eviction)
+        self._tasks.append(asyncio.create_task(self._reap_connections()))
+        warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
+        await self._start_metrics()
+        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
+                 self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
+                 "on" if self.tls else "off", "on" if self.service.auth else "off")
+
+    async def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        self.metrics = MetricsServer(self.service, self.config.host, self.config.metrics_port,
+                                     draining=lambda: self._stopping is None or self._stopping.is_set())
+        try:
+            port = await self.metrics.start()
+        except OSError as exc:
+            raise OSError(exc.errno, f"--metrics-port {self.config.metrics_port}: {exc.strerror or exc}") from None
+        log.info("metrics served at http://%s:%d/metrics (health: /healthz, /livez)", self.config.host, port,
+                 extra={"event": "metrics_started", "metrics_port": port})
+
+    async def _reap_connections(self) -> None:
+        """Close idle connections and drop stalled frames (--idle-timeout, --frame-timeout)."""
+        idle, frame = self.config.idle_timeout, self.config.frame_timeout
+        if not idle and not frame:
+            return
+        loop = asyncio.get_running_loop()
+        period = min(1.0, *(t / 4 for t in (idle, frame) if t))  # a timeout fires at most 25 % late
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for conn in list(self.connections):
+                conn.check_timeouts(now, idle, frame)
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self.store.expire_leases()
+            if self.tier is not None:
+                await self.tier.check_health()  # notices outages and recoveries (with back-off)
 
     def request_stop(self) -> None:
         if self._stopping is not None:
@@ -93,6 +135,10 @@ class Server:
             await asyncio.sleep(0.01)
         for task in self._tasks:
             task.cancel()
+        if self.tier is not None:
+            await self.tier.close()  # flushes the write-behind queue before exit
+        if self.metrics is not None:
+            await self.metrics.close()
         for srv in self._servers:
             await srv.wait_closed()
         log.info("stopped")

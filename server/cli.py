@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -17,6 +16,7 @@ from kvstore.config import ServerConfig, parse_size
 from kvstore.eviction import POLICIES
 
 from .app import Server
+from .logs import setup_logging
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -27,7 +27,7 @@ def _env_default(dest: str, default: Any, convert: Callable[[str], Any]) -> Any:
         return default
     try:
         return convert(raw)
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         raise SystemExit(f"kvstore-server: bad {ENV_PREFIX}{dest.upper()}={raw!r}: {exc}") from None
 
 
@@ -36,6 +36,23 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _optional_port(text: str) -> int | None:
+    """A TCP port, or None for ``off``/empty (the listener is not started)."""
+    if text.strip().lower() in ("", "off", "none"):
+        return None
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lease-seconds", float, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--drain-seconds", float, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
     add("--log-level", str.lower, d.log_level, "log level", choices=["debug", "info", "warning", "error"])
+    add("--redis", str, d.redis, "back the store with Redis: redis://[:password@]host:port/db (or rediss://)")
+    add("--redis-cluster", str, d.redis_cluster, "back the store with a Redis Cluster: host:port[,host:port...]")
+    add("--redis-mode", str, d.redis_mode, "acknowledge puts after Redis has them, or after memory",
+        choices=["write-through", "write-behind"])
+    add("--redis-queue-bytes", _size, d.redis_queue_bytes, "write-behind queue bound (puts wait while full)")
+    add("--redis-ttl", int, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
+    add("--redis-timeout", float, d.redis_timeout, "Redis socket timeout in seconds")
+    # operations and hardening (docs/operations.md)
+    add("--metrics-port", _optional_port, d.metrics_port,
+        "serve /metrics, /healthz, /livez over HTTP on --host at this port (0 = any free port; off if unset)")
+    add("--log-format", str.lower, d.log_format, "one line per event: key=value or JSON", choices=["kv", "json"])
+    add("--token-file", str, d.token_file, "require a token: file of TOKEN or NAMESPACE_GLOB:TOKEN lines")
+    add("--tls-cert", str, d.tls_cert, "serve TLS with this PEM certificate (chain)")
+    add("--tls-key", str, d.tls_key, "the PEM private key of --tls-cert")
+    add("--idle-timeout", _seconds, d.idle_timeout, "close a connection silent for this long (0 = never)")
+    add("--frame-timeout", _seconds, d.frame_timeout, "drop a connection whose frame is incomplete this long (0 = never)")
+    add("--max-connections", int, d.max_connections, "refuse connections over this many")
+    add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
+    add("--max-batch", int, d.max_batch, "most keys in one request")
+    add("--max-frame-size", _size, d.max_frame_size, "most payload bytes in one frame")
+    add("--max-block", _size, d.max_block, "most bytes in one block")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
     return p
 
@@ -79,8 +117,7 @@ def _run(coro: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
     try:
         server = Server(config)
     except (ValueError, OSError, MemoryError) as exc:

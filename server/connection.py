@@ -12,18 +12,20 @@ server's memory.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
-from typing import Any, Callable
+import time
+from typing import Any, Awaitable, Callable, cast
 
-from kvstore.errors import ProtocolError
+from kvstore.errors import ProtocolError, Unauthorized, Unavailable
 from kvstore.protocol import (
     Delete, Exists, Flush, Frame, FrameReader, Get, Hello, Limits, Lookup, NEED_DATA, PayloadDone, Ping, Put,
     Stats, Unpin, error_reply, foreign_reply, reply,
 )
 from kvstore.store import BlockRef
 
-from .service import PutSink, Service, Session, error_fields
+from .service import GetResult, PutSink, Service, Session, error_fields
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, service: Service, limits: Limits, on_close: Callable[[Connection], None]) -> None:
         self.service = service
         self.reader = FrameReader(limits, is_server=True)
-        self.session = Session()
+        self.session = service.new_session()
         self.on_close = on_close
         self.transport: asyncio.Transport | None = None
         self.put_sink: PutSink | None = None
@@ -45,12 +47,19 @@ class Connection(asyncio.BufferedProtocol):
         self.reading_paused = False
         self.closing = False
         self.draining = False
+        self.tasks: set[asyncio.Task[None]] = set()  # requests waiting on a backing tier
         self.idle = asyncio.Event()
         self.idle.set()
+        self.put_t0 = 0.0  # perf_counter() when the PUT in progress was parsed
+        # What check_timeouts() compares between sweeps: bytes received, frames (heads and payloads) completed.
+        self.received = 0
+        self.events = 0
+        self._seen = (-1, -1)
+        self._last_rx_at = self._frame_since = 0.0
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -75,7 +84,9 @@ class Connection(asyncio.BufferedProtocol):
         return self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.reader.buffer_updated(nbytes)
         self.service.counters.bytes_in += nbytes
+        self.received += nbytes
         self._process()
 
     def eof_received(self) -> bool:
@@ -109,6 +120,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             if event is NEED_DATA:
                 break
+            self.events += 1
             if isinstance(event, Frame):
                 self._on_frame(event)
             elif isinstance(event, PayloadDone):
@@ -116,39 +128,62 @@ class Connection(asyncio.BufferedProtocol):
         self._update_idle()
 
     def _on_frame(self, frame: Frame) -> None:
+        t0 = time.perf_counter()
         msg = frame.msg
         name = _OP_NAMES.get(type(msg), "invalid")
         if frame.error is not None or msg is None:
-            self._send_error(frame.request_id, name, frame.error or ProtocolError("invalid request"))
+            self._send_error(frame.request_id, name, frame.error or ProtocolError("invalid request"), t0)
             return
         try:
             self.service.check_allowed(self.session, msg)
             if isinstance(msg, Put):
                 self.put_sink = self.service.begin_put(self.session, msg)
-                self.put_rid = frame.request_id
+                self.put_rid, self.put_t0 = frame.request_id, t0
                 if frame.payload_len:
                     self.reader.set_sink(self.put_sink)
                 else:
                     self._finish_put()
                 return
-            self._dispatch(frame.request_id, name, msg)
+            self._dispatch(frame.request_id, name, msg, t0)
         except Exception as exc:
-            self._send_error(frame.request_id, name, exc)
+            self._send_error(frame.request_id, name, exc, t0)
+            if isinstance(exc, Unauthorized) and not self.session.authenticated:
+                self.close()  # a refused HELLO: nothing else may happen on this connection
 
-    def _dispatch(self, rid: int, name: str, msg: Any) -> None:
+    def _dispatch(self, rid: int, name: str, msg: Any, t0: float = 0.0) -> None:
         svc, s = self.service, self.session
-        if isinstance(msg, Get):
-            res = svc.get(s, msg)
-            self._write(reply(msg.OP, rid, res.payload, **res.fields), res.refs)
-            svc.counters.count(name)
-            return
         handler = {
-            Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Exists: svc.exists, Delete: svc.delete,
-            Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
+            Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Get: svc.get, Exists: svc.exists,
+            Delete: svc.delete, Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
         }[type(msg)]
-        fields = handler(s, msg)
-        self._write(reply(msg.OP, rid, **fields))
-        svc.counters.count(name)
+        self._respond(rid, name, msg.OP, handler(s, msg), t0)
+
+    def _respond(self, rid: int, name: str, op: int, result: Any, t0: float = 0.0) -> None:
+        """Write the reply now, or when the tier call it waits on completes."""
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(self._respond_later(rid, name, op, result, t0))
+            self.tasks.add(task)
+            task.add_done_callback(self._task_done)
+            return
+        if isinstance(result, GetResult):
+            self._write(reply(op, rid, result.payload, **result.fields), result.refs)
+        else:
+            self._write(reply(op, rid, **result))
+        self.service.counters.count(name)
+        if t0:
+            self.service.counters.latency.observe(name, time.perf_counter() - t0)
+
+    async def _respond_later(self, rid: int, name: str, op: int, pending: Awaitable[Any], t0: float = 0.0) -> None:
+        try:
+            result = await pending
+        except Exception as exc:
+            self._send_error(rid, name, exc, t0)
+        else:
+            self._respond(rid, name, op, result, t0)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._update_idle()
 
     def _on_payload_done(self, event: PayloadDone) -> None:
         if self.put_sink is not None and event.request_id == self.put_rid:
@@ -158,13 +193,12 @@ class Connection(asyncio.BufferedProtocol):
         sink, self.put_sink = self.put_sink, None
         assert sink is not None
         try:
-            fields = sink.commit()
+            result = sink.commit()
         except Exception as exc:
             sink.abort()
-            self._send_error(self.put_rid, "put", exc)
+            self._send_error(self.put_rid, "put", exc, self.put_t0)
             return
-        self._write(reply(Put.OP, self.put_rid, **fields))
-        self.service.counters.count("put")
+        self._respond(self.put_rid, "put", Put.OP, result, self.put_t0)
 
     # -- output
     def _write(self, buffers: list[Any], refs: list[BlockRef] | None = None) -> None:
@@ -181,11 +215,13 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 self.service.release(refs)
 
-    def _send_error(self, rid: int, name: str, exc: BaseException) -> None:
+    def _send_error(self, rid: int, name: str, exc: BaseException, t0: float = 0.0) -> None:
         code, message = error_fields(exc)
         if code == 8:
             log.error("internal error serving %s from %s: %r", name, self.session.peer, exc)
         self.service.counters.count(name, failed=True)
+        if t0:
+            self.service.counters.latency.observe(name, time.perf_counter() - t0)
         self._write(error_reply(rid, code, message))
 
     def _protocol_failure(self, exc: BaseException) -> None:
@@ -213,7 +249,7 @@ class Connection(asyncio.BufferedProtocol):
             self.service.release(refs)
 
     def _update_idle(self) -> None:
-        busy = self.reader.in_frame or self.put_sink is not None or self.output_pending
+        busy = self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)
         if busy:
             self.idle.clear()
         else:
@@ -231,3 +267,62 @@ class Connection(asyncio.BufferedProtocol):
         """Finish the request in progress, flush its reply, then close."""
         self.draining = True
         self._update_idle()
+
+    def check_timeouts(self, now: float, idle_timeout: float, frame_timeout: float) -> None:
+        """Called about once a second: close a silent connection, drop one stuck mid-frame.
+
+        A connection waiting on *us* -- a reply still draining, a tier call,
+        reading paused by back-pressure -- is neither idle nor stalled. A
+        slowloris that trickles bytes is not idle, but its frame never
+        completes, so the frame timeout drops it.
+        """
+        if self.closing or self.transport is None:
+            return
+        waiting_on_us = self.output_pending or bool(self.tasks) or self.reading_paused
+        received, events = self.received, self.events
+        if waiting_on_us or received != self._seen[0]:
+            self._last_rx_at = now
+        if waiting_on_us or events != self._seen[1] or not self.reader.in_frame:
+            self._frame_since = now
+        self._seen = (received, events)
+        if frame_timeout and now - self._frame_since > frame_timeout:
+            self._time_out("frame", frame_timeout)
+        elif idle_timeout and now - self._last_rx_at > idle_timeout:
+            self._time_out("idle", idle_timeout)
+
+    def _time_out(self, kind: str, seconds: float) -> None:
+        self.service.counters.timeouts[kind] += 1
+        log.info("closing connection from %s: %s timeout (%gs)", self.session.peer, kind, seconds,
+                 extra={"event": f"{kind}_timeout", "peer": self.session.peer})
+        assert self.transport is not None
+        self.closing = True
+        if kind == "frame":
+            self.transport.abort()  # a stalled sender may not read either: do not wait to flush
+        else:
+            self.transport.close()
+
+
+class RejectedConnection(asyncio.Protocol):
+    """A connection over ``--max-connections``: one error reply (request id 0, ``Unavailable``), closed at once.
+
+    It never gets a frame reader or a session, so a flood of them costs a socket each, briefly.
+    """
+
+    _last_log = 0.0  # rate-limits the warning: a flood must not flood the log too
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)
+        message = f"server is at its limit of {self.limit} connections; try again later"
+        transport.writelines(error_reply(0, Unavailable.code, message))
+        transport.close()
+        now = time.monotonic()
+        if now - RejectedConnection._last_log > 10.0:
+            RejectedConnection._last_log = now
+            log.warning("refusing connections: at the limit of %d (--max-connections)", self.limit,
+                        extra={"event": "connection_rejected"})
+
+    def data_received(self, data: bytes) -> None:
+        pass  # whatever it sent is ignored; the transport is closing

@@ -9,15 +9,27 @@ asynchronous later (a handler may then return an awaitable).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Union
 
 from kvstore import __version__
 from kvstore.config import ServerConfig
-from kvstore.errors import CapacityError, InvalidRequest, KVStoreError, ServerError, TooLarge, Unauthorized, code_of
+from kvstore.errors import (
+    CapacityError, InvalidRequest, KVStoreError, ServerError, TooLarge, Unauthorized, Unavailable, code_of,
+)
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Message, Ping, Put, Stats, Unpin, VERSION
 from kvstore.store import BlockRef, BlockStore, Reservation
+
+from .auth import Grant, TokenTable
+from .metrics import LatencyHistograms
+from .tier import Tier, TierBlock
+
+log = logging.getLogger(__name__)
+
+Fields = dict[str, Any]
+MaybeAsync = Union[Fields, Awaitable[Fields]]
 
 
 @dataclass
@@ -27,6 +39,7 @@ class Session:
     namespace: str = "default"
     peer: str = ""
     authenticated: bool = True
+    grant: Grant | None = None  # the namespaces its token may use (None: no auth configured)
 
 
 @dataclass
@@ -37,6 +50,10 @@ class Counters:
     bytes_out: int = 0
     connections: int = 0
     connections_total: int = 0
+    connections_rejected: int = 0  # over --max-connections
+    auth_failures: int = 0
+    timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0})
+    latency: LatencyHistograms = field(default_factory=LatencyHistograms)
 
     def count(self, op: str, failed: bool = False) -> None:
         self.requests[op] = self.requests.get(op, 0) + 1
@@ -51,8 +68,8 @@ class PutSink:
     dropped as it arrives; its per-key status says why.
     """
 
-    def __init__(self, store: BlockStore, ns: str, msg: Put) -> None:
-        self.store, self.ns, self.msg = store, ns, msg
+    def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None) -> None:
+        self.store, self.ns, self.msg, self.tier = store, ns, msg, tier
         self.sizes = msg.sizes
         self.status: list[int] = [STORED] * len(msg.keys)
         self.errors: dict[int, str] = {}
@@ -72,14 +89,39 @@ class PutSink:
         self.reservations[i] = res
         return res.views
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> MaybeAsync:
+        """Make the received blocks visible; with a tier, also hand them to it."""
         keys = self.msg.keys
         for i, res in enumerate(self.reservations):
             if res is not None:
                 stored = self.store.commit(res, parent=keys[i - 1] if i else None)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
-        fields: dict[str, Any] = {"status": self.status}
+        stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
+        if self.tier is None or not stored_idx:
+            return self._fields()
+        return self._store_in_tier(stored_idx)
+
+    async def _store_in_tier(self, idx: list[int]) -> Fields:
+        refs = [(i, self.store.acquire(self.ns, self.msg.keys[i])) for i in idx]
+        blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in refs if ref is not None]
+        try:
+            assert self.tier is not None
+            await self.tier.store(self.ns, blocks)
+        except Unavailable as exc:
+            # Not acknowledged, so not kept: a retry must store it again rather than find it "existed".
+            self.store.delete(self.ns, [self.msg.keys[i] for i in idx])
+            for i in idx:
+                self.status[i] = exc.code
+                self.errors[i] = str(exc)
+        finally:
+            for _, ref in refs:
+                if ref is not None:
+                    self.store.release(ref)
+        return self._fields()
+
+    def _fields(self) -> Fields:
+        fields: Fields = {"status": self.status}
         if self.errors:
             fields["errors"] = {str(i): m for i, m in self.errors.items()}
         return fields
@@ -94,24 +136,62 @@ class PutSink:
 
 @dataclass
 class GetResult:
-    fields: dict[str, Any]
-    payload: list[memoryview]
+    """Per key: the block's views (``None`` when missing), its checksum; and the pins to release once sent."""
+
+    blocks: list[list[memoryview] | None]
+    checksums: list[int]
     refs: list[BlockRef]
+
+    @property
+    def fields(self) -> Fields:
+        return {"sizes": [-1 if b is None else sum(len(v) for v in b) for b in self.blocks],
+                "checksums": self.checksums}
+
+    @property
+    def payload(self) -> list[memoryview]:
+        return [v for b in self.blocks if b is not None for v in b]
 
 
 class Service:
     """The request logic over a :class:`BlockStore`."""
 
-    def __init__(self, store: BlockStore, config: ServerConfig) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
         self.store = store
         self.config = config
+        self.tier = tier
         self.counters = Counters()
         self.started = time.time()
+        self.auth = TokenTable.load(config.token_file) if config.token_file else None
 
     # -- session set-up
+    def new_session(self) -> Session:
+        """A connection's session: unauthenticated until HELLO when tokens are required."""
+        return Session(authenticated=self.auth is None)
+
+    def authorize(self, session: Session, msg: Hello) -> None:
+        """Check HELLO's token against the token file (no-op without one).
+
+        Raises:
+            Unauthorized: no or a wrong token, or one not granted this namespace;
+            the connection answers and then closes.
+        """
+        if self.auth is None:
+            return
+        grant = self.auth.authenticate(msg.token)
+        if grant is None or not grant.allows(msg.namespace):
+            session.authenticated = False
+            self.counters.auth_failures += 1
+            log.warning("refused HELLO from %s for namespace %r: %s", session.peer, msg.namespace,
+                        "no token" if not msg.token else "wrong token" if grant is None else "namespace not granted",
+                        extra={"event": "auth_failed", "peer": session.peer, "namespace": msg.namespace})
+            raise Unauthorized("token missing or wrong" if grant is None else
+                               f"token not valid for namespace {msg.namespace!r}")
+        session.authenticated, session.grant = True, grant
+
     def hello(self, session: Session, msg: Hello) -> dict[str, Any]:
         if msg.version != VERSION:
             raise InvalidRequest(f"protocol version {msg.version} is not supported (server speaks {VERSION})")
+        self.authorize(session, msg)
         session.namespace = msg.namespace
         return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace}
 
@@ -119,51 +199,108 @@ class Service:
         if not session.authenticated and not isinstance(msg, (Hello, Ping)):
             raise Unauthorized("authenticate with HELLO first")
 
-    # -- ops (synchronous, in memory)
+    # -- ops: synchronous in memory; a coroutine where the tier must be asked
     def begin_put(self, session: Session, msg: Put) -> PutSink:
-        return PutSink(self.store, session.namespace, msg)
+        return PutSink(self.store, session.namespace, msg, self.tier)
 
-    def lookup(self, session: Session, msg: Lookup) -> dict[str, Any]:
+    def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
         lease_s = msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds
         n = self.store.lookup(session.namespace, msg.keys, pin=bool(msg.pin), lease_s=lease_s)
+        if self.tier is None or n == len(msg.keys):
+            return {"n": n}
+        return self._lookup_tier(session.namespace, msg.keys, n)
+
+    async def _lookup_tier(self, ns: str, keys: list[bytes], n: int) -> Fields:
+        """Extend the in-memory prefix with what the tier holds (its blocks come in on GET)."""
+        assert self.tier is not None
+        try:
+            present = await self.tier.exists(ns, keys[n:])
+        except Unavailable:
+            return {"n": n}  # degraded: memory's answer is still a correct lower bound
+        for p in present:
+            if not p:
+                break
+            n += 1
         return {"n": n}
 
-    def get(self, session: Session, msg: Get) -> GetResult:
+    def get(self, session: Session, msg: Get) -> GetResult | Awaitable[GetResult]:
         """Pins every block it returns; the caller releases them once written."""
-        sizes: list[int] = []
-        checksums: list[int] = []
-        payload: list[memoryview] = []
-        refs: list[BlockRef] = []
         ns = session.namespace
+        res = GetResult([], [], [])
         for key in msg.keys:
             ref = self.store.acquire(ns, key)
-            if ref is None:
-                sizes.append(-1)
-                checksums.append(0)
-                continue
-            refs.append(ref)
-            sizes.append(ref.size)
-            checksums.append(ref.checksum)
-            payload.extend(ref.views)
+            res.blocks.append(None if ref is None else list(ref.views))
+            res.checksums.append(0 if ref is None else ref.checksum)
+            if ref is not None:
+                res.refs.append(ref)
         if msg.unpin:
             self.store.unpin(ns, msg.keys)
-        return GetResult({"sizes": sizes, "checksums": checksums}, payload, refs)
+        missing = [i for i, b in enumerate(res.blocks) if b is None]
+        if self.tier is None or not missing:
+            return res
+        return self._get_tier(ns, msg.keys, res, missing)
+
+    async def _get_tier(self, ns: str, keys: list[bytes], res: GetResult, missing: list[int]) -> GetResult:
+        """Read through: fetch memory's misses in one round trip and promote them."""
+        assert self.tier is not None
+        try:
+            fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
+        except Unavailable:
+            return res  # degraded: serve what memory has
+        for i, item in zip(missing, fetched):
+            if item is None:
+                continue
+            data, checksum = item
+            res.blocks[i] = [memoryview(data)]
+            res.checksums[i] = checksum
+            try:
+                self.store.put(ns, keys[i], data, checksum, parent=keys[i - 1] if i else None)
+            except (CapacityError, TooLarge):
+                pass  # promotion is best effort; the block is served from the fetched copy
+        return res
 
     def release(self, refs: list[BlockRef]) -> None:
         for ref in refs:
             self.store.release(ref)
 
-    def exists(self, session: Session, msg: Exists) -> dict[str, Any]:
-        return {"present": self.store.exists(session.namespace, msg.keys)}
+    def exists(self, session: Session, msg: Exists) -> MaybeAsync:
+        present = self.store.exists(session.namespace, msg.keys)
+        if self.tier is None or all(present):
+            return {"present": present}
+        return self._exists_tier(session.namespace, msg.keys, present)
 
-    def delete(self, session: Session, msg: Delete) -> dict[str, Any]:
-        return {"n": self.store.delete(session.namespace, msg.keys)}
+    async def _exists_tier(self, ns: str, keys: list[bytes], present: list[bool]) -> Fields:
+        assert self.tier is not None
+        missing = [i for i, p in enumerate(present) if not p]
+        try:
+            for i, p in zip(missing, await self.tier.exists(ns, [keys[i] for i in missing])):
+                present[i] = p
+        except Unavailable:
+            pass
+        return {"present": present}
 
-    def unpin(self, session: Session, msg: Unpin) -> dict[str, Any]:
+    def delete(self, session: Session, msg: Delete) -> MaybeAsync:
+        n = self.store.delete(session.namespace, msg.keys)
+        if self.tier is None:
+            return {"n": n}
+        return self._in_tier_too(n, self.tier.delete(session.namespace, msg.keys))
+
+    def unpin(self, session: Session, msg: Unpin) -> Fields:
         return {"n": self.store.unpin(session.namespace, msg.keys)}
 
-    def flush(self, session: Session, msg: Flush) -> dict[str, Any]:
-        return {"n": self.store.flush(msg.namespace or session.namespace)}
+    def flush(self, session: Session, msg: Flush) -> MaybeAsync:
+        ns = msg.namespace or session.namespace
+        if session.grant is not None and not session.grant.allows(ns):
+            raise Unauthorized(f"token not valid for namespace {ns!r}")
+        n = self.store.flush(ns)
+        if self.tier is None:
+            return {"n": n}
+        return self._in_tier_too(n, self.tier.flush(ns))
+
+    @staticmethod
+    async def _in_tier_too(n_memory: int, tier_call: Awaitable[int]) -> Fields:
+        """Deletes must reach the tier (or fail), or the blocks would come back on the next miss."""
+        return {"n": max(n_memory, await tier_call)}
 
     def ping(self, session: Session, msg: Ping) -> dict[str, Any]:
         return {}
@@ -180,10 +317,14 @@ class Service:
             "namespaces": self.store.namespaces(),
             "connections": c.connections,
             "connections_total": c.connections_total,
+            "connections_rejected": c.connections_rejected,
+            "auth_failures": c.auth_failures,
+            "timeouts": dict(c.timeouts),
             "requests": dict(c.requests),
             "errors": dict(c.errors),
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
+            "tier": self.tier.stats() if self.tier is not None else None,
         }
 
 

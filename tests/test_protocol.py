@@ -134,7 +134,7 @@ def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
 def test_put_whose_sizes_lie_about_the_payload_is_invalid() -> None:
     msg = Put(keys=[b"k"], sizes=[10])
     head = encode(msg, 1, [b"x" * 4], payload_len=4)
-    (frame, done) = events(FrameReader(), wire(head) + b"x" * 4)
+    (frame, done) = events(FrameReader(), wire(head))
     assert isinstance(frame.error, InvalidRequest) and isinstance(done, PayloadDone)
 
 

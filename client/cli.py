@@ -1,0 +1,342 @@
+"""``kvstore-cli``: look at and poke a kvstore server from a terminal.
+
+Every connection option is also a ``KVSTORE_*`` environment variable; flags
+win. Exit codes: 0 success, 1 a failure (unreachable server, refused token,
+missing key, ``exists`` with a key absent), 2 a usage error (bad flag, bad hex
+key), 130 interrupted. Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence, TextIO
+
+from kvstore import __version__
+from kvstore.config import format_size
+from kvstore.errors import KVStoreError, TransportError, Unauthorized
+from kvstore.protocol import MAX_KEY_LEN, MIN_KEY_LEN
+
+from .aio import AsyncKVClient
+
+PROG = "kvstore-cli"
+ENV = "KVSTORE_"
+
+
+class UsageError(Exception):
+    """Bad input caught before talking to the server (exit code 2)."""
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def _env(name: str, default: Any = None) -> Any:
+    raw = os.environ.get(ENV + name)
+    return default if raw is None or raw == "" else raw
+
+
+def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """The options every command takes, before or after the command name.
+
+    On a subcommand their default is SUPPRESS, so a value given before the
+    command is not overwritten by the subcommand's default (an argparse trap).
+    """
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    g = p.add_argument_group("connection (each also KVSTORE_<NAME>)")
+    g.add_argument("--addr", default=default(_env("ADDR", "127.0.0.1:7600")),
+                   help="server host:port [KVSTORE_ADDR, default 127.0.0.1:7600]")
+    g.add_argument("--namespace", "-n", default=default(_env("NAMESPACE", "default")),
+                   help="namespace to work in [KVSTORE_NAMESPACE, default 'default']")
+    g.add_argument("--token-file", default=default(_env("TOKEN_FILE")),
+                   help="file holding the token (first non-comment line) [KVSTORE_TOKEN_FILE]")
+    g.add_argument("--tls", action="store_true", default=default(_env("TLS", "") not in ("", "0", "false", "no")),
+                   help="connect with TLS, verifying against the system CAs [KVSTORE_TLS=1]")
+    g.add_argument("--tls-ca", default=default(_env("TLS_CA")),
+                   help="verify the server against this CA bundle (implies --tls) [KVSTORE_TLS_CA]")
+    g.add_argument("--tls-server-name", default=default(_env("TLS_SERVER_NAME")),
+                   help="name to verify in the server's certificate [KVSTORE_TLS_SERVER_NAME]")
+    g.add_argument("--timeout", type=float, default=default(float(_env("TIMEOUT", "10"))),
+                   help="seconds to wait for a connection or a reply [KVSTORE_TIMEOUT, default 10]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Inspect and debug a kvstore server.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    _add_connection_options(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        _add_connection_options(sp, suppress=True)
+        return sp
+
+    command("stats", "server summary: memory, traffic, lookups, tier").add_argument(
+        "--json", action="store_true", help="the raw statistics as JSON")
+    command("namespaces", "blocks and bytes per namespace").add_argument(
+        "--json", action="store_true", help="as JSON")
+    sp = command("ping", "round-trip time")
+    sp.add_argument("--count", "-c", type=int, default=1, help="pings to send (default 1)")
+    sp = command("get", "fetch one block by hex key")
+    sp.add_argument("key", help="the key in hex")
+    sp.add_argument("--output", "-o", help="write the block here instead of stdout")
+    sp.add_argument("--hex", action="store_true", help="print the block as hex")
+    sp = command("put", "store one block by hex key")
+    sp.add_argument("key", help="the key in hex")
+    sp.add_argument("file", nargs="?", default="-", help="file with the block's bytes ('-' or absent: stdin)")
+    command("exists", "which keys are stored (exit 1 when any is missing)").add_argument(
+        "keys", nargs="+", metavar="KEY", help="keys in hex")
+    command("delete", "delete blocks by hex key").add_argument("keys", nargs="+", metavar="KEY", help="keys in hex")
+    sp = command("flush", "delete every block of a namespace (asks first)")
+    sp.add_argument("--yes", "-y", action="store_true", help="do not ask")
+    sp = command("watch", "live statistics, one line per interval")
+    sp.add_argument("--interval", "-i", type=float, default=2.0, help="seconds between lines (default 2)")
+    sp.add_argument("--count", "-c", type=int, default=0, help="stop after this many lines (default: never)")
+    return p
+
+
+def parse_key(text: str) -> bytes:
+    """A block key from hex (``0x`` prefix, spaces and colons allowed)."""
+    cleaned = text.strip().removeprefix("0x").replace(":", "").replace(" ", "")
+    try:
+        key = bytes.fromhex(cleaned)
+    except ValueError:
+        raise UsageError(f"not a hex key: {text!r}") from None
+    if not MIN_KEY_LEN <= len(key) <= MAX_KEY_LEN:
+        raise UsageError(f"a key has {MIN_KEY_LEN}..{MAX_KEY_LEN} bytes; {text!r} has {len(key)}")
+    return key
+
+
+def read_token(path: str | None) -> str | None:
+    """The first line of a token file that is neither blank nor a ``#`` comment."""
+    if not path:
+        return None
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            return line.strip()
+    raise UsageError(f"{path} holds no token")
+
+
+def make_client(args: argparse.Namespace) -> AsyncKVClient:
+    tls: Any = args.tls_ca or (True if args.tls else None)
+    return AsyncKVClient(args.addr, namespace=args.namespace, token=read_token(args.token_file), tls=tls,
+                         pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
+                         server_hostname=args.tls_server_name)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}d{h:02d}h{m:02d}m" if d else f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def render_stats(st: dict[str, Any], addr: str) -> str:
+    """A terminal-sized summary of a STATS reply."""
+    store, req, err = st.get("store", {}), st.get("requests", {}), st.get("errors", {})
+    hit, miss = store.get("lookup_hit_keys", 0), store.get("lookup_miss_keys", 0)
+    lines = [
+        f"kvstore {st.get('version', '?')} at {addr}, up {_duration(st.get('uptime_s', 0))}",
+        f"memory      {format_size(store.get('used_bytes', 0))} used of {format_size(store.get('capacity', 0))} "
+        f"({_pct(store.get('used_bytes', 0), store.get('capacity', 0))}), eviction {store.get('eviction', '?')}",
+        f"blocks      {store.get('blocks', 0)} in {len(st.get('namespaces', {}))} namespace(s), "
+        f"{format_size(store.get('bytes', 0))} of payload, {store.get('pinned_blocks', 0)} pinned",
+        f"evictions   {store.get('evictions', 0)} ({format_size(store.get('evicted_bytes', 0))})",
+        f"lookups     {store.get('lookups', 0)}: {hit} keys hit, {miss} missed (prefix hit ratio {_pct(hit, hit + miss)})",
+        f"requests    {sum(req.values())} ({', '.join(f'{k} {v}' for k, v in sorted(req.items())) or 'none'}), "
+        f"{sum(err.values())} errors",
+        f"traffic     {format_size(st.get('bytes_in', 0))} in, {format_size(st.get('bytes_out', 0))} out",
+        f"connections {st.get('connections', 0)} open, {st.get('connections_total', 0)} accepted, "
+        f"{st.get('connections_rejected', 0)} refused",
+    ]
+    tier = st.get("tier")
+    if tier:
+        lines.append(f"tier        {tier.get('state', '?')} ({tier.get('mode', '?')}), backlog "
+                     f"{tier.get('backlog_blocks', 0)} blocks / {format_size(tier.get('backlog_bytes', 0))}")
+    else:
+        lines.append("tier        none (memory only)")
+    return "\n".join(lines)
+
+
+def render_namespaces(namespaces: dict[str, dict[str, int]]) -> str:
+    if not namespaces:
+        return "no blocks stored"
+    width = max(len("NAMESPACE"), *(len(ns) for ns in namespaces))
+    rows = [f"{'NAMESPACE':<{width}}  {'BLOCKS':>10}  {'BYTES':>12}"]
+    for ns, st in sorted(namespaces.items()):
+        rows.append(f"{ns:<{width}}  {st['blocks']:>10}  {format_size(st['bytes']):>12}")
+    return "\n".join(rows)
+
+
+def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> str:
+    """One line of ``watch``: gauges now, rates since the previous sample."""
+    store = cur.get("store", {})
+
+    def rate(get: Callable[[dict[str, Any]], float]) -> float:
+        return (get(cur) - get(prev)) / dt if prev is not None and dt > 0 else 0.0
+
+    reqs = rate(lambda s: sum(s.get("requests", {}).values()))
+    rx, tx = rate(lambda s: s.get("bytes_in", 0)), rate(lambda s: s.get("bytes_out", 0))
+    ev = rate(lambda s: s.get("store", {}).get("evictions", 0))
+    hit, miss = store.get("lookup_hit_keys", 0), store.get("lookup_miss_keys", 0)
+    if prev is not None:
+        hit -= prev.get("store", {}).get("lookup_hit_keys", 0)
+        miss -= prev.get("store", {}).get("lookup_miss_keys", 0)
+    return (f"{time.strftime('%H:%M:%S')}  blocks {store.get('blocks', 0):>8}  "
+            f"used {_pct(store.get('used_bytes', 0), store.get('capacity', 0)):>6}  "
+            f"req/s {reqs:>8.1f}  in {format_size(rx)}/s  out {format_size(tx)}/s  "
+            f"hit {_pct(hit, hit + miss):>6}  evict/s {ev:>6.1f}  conns {cur.get('connections', 0)}")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    st = await kv.stats()
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else render_stats(st, args.addr), file=out)
+    return 0
+
+
+async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    ns = (await kv.stats()).get("namespaces", {})
+    print(json.dumps(ns, indent=2, sort_keys=True) if args.json else render_namespaces(ns), file=out)
+    return 0
+
+
+async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    for i in range(max(1, args.count)):
+        if i:
+            await asyncio.sleep(0.2)
+        print(f"PONG from {args.addr} in {await kv.ping() * 1000:.3f} ms", file=out)
+    return 0
+
+
+async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    key = parse_key(args.key)
+    (blob,) = await kv.get([key])
+    if blob is None:
+        return _fail(f"key {key.hex()} not found in namespace {args.namespace!r}")
+    if args.output:
+        Path(args.output).write_bytes(blob)
+    elif args.hex:
+        print(bytes(blob).hex(), file=out)
+    else:
+        out.flush()
+        sys.stdout.buffer.write(blob)
+        sys.stdout.buffer.flush()
+    return 0
+
+
+async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    key = parse_key(args.key)
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    res = await kv.put([key], [data])
+    print(f"{res.statuses[0]}: {key.hex()} ({format_size(len(data))}) in namespace {args.namespace!r}", file=out)
+    return 0
+
+
+async def cmd_exists(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    keys = [parse_key(k) for k in args.keys]
+    present = await kv.exists(keys)
+    for k, p in zip(keys, present):
+        print(f"{k.hex()} {'present' if p else 'missing'}", file=out)
+    return 0 if all(present) else 1
+
+
+async def cmd_delete(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    n = await kv.delete([parse_key(k) for k in args.keys])
+    print(f"deleted {n} of {len(args.keys)} block(s) in namespace {args.namespace!r}", file=out)
+    return 0
+
+
+async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    ns = args.namespace
+    if not args.yes:
+        blocks = (await kv.stats()).get("namespaces", {}).get(ns, {}).get("blocks", 0)
+        print(f"Delete all {blocks} block(s) of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
+        answer = sys.stdin.readline().strip().lower()
+        if answer not in ("y", "yes"):
+            print("not flushed", file=out)
+            return 1
+    n = await kv.flush(ns)
+    print(f"flushed {n} block(s) of namespace {ns!r}", file=out)
+    return 0
+
+
+async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    prev: dict[str, Any] | None = None
+    t_prev = time.monotonic()
+    n = 0
+    while True:
+        cur, now = await kv.stats(), time.monotonic()
+        print(watch_line(prev, cur, now - t_prev), file=out, flush=True)
+        prev, t_prev, n = cur, now, n + 1
+        if args.count and n >= args.count:
+            return 0
+        await asyncio.sleep(max(0.05, args.interval))
+
+
+COMMANDS: dict[str, Callable[[AsyncKVClient, argparse.Namespace, TextIO], Awaitable[int]]] = {
+    "stats": cmd_stats, "namespaces": cmd_namespaces, "ping": cmd_ping, "get": cmd_get, "put": cmd_put,
+    "exists": cmd_exists, "delete": cmd_delete, "flush": cmd_flush, "watch": cmd_watch,
+}
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return code
+
+
+def _explain(exc: KVStoreError) -> str:
+    if isinstance(exc, Unauthorized):
+        return f"refused by the server: {exc} (check --token-file / KVSTORE_TOKEN_FILE)"
+    if isinstance(exc, TransportError):
+        return f"{exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _run(args: argparse.Namespace) -> int:
+    kv = make_client(args)
+    try:
+        await kv.connect()
+        return await COMMANDS[args.command](kv, args, sys.stdout)
+    finally:
+        await kv.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("get", "put", "exists", "delete"):  # fail on a bad key before connecting
+            for k in getattr(args, "keys", None) or [args.key]:
+                parse_key(k)
+        return asyncio.run(_run(args))
+    except UsageError as exc:
+        return _fail(str(exc), 2)
+    except KVStoreError as exc:
+        return _fail(_explain(exc))
+    except OSError as exc:  # an unreadable token, CA or value file; a closed stdout
+        return _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

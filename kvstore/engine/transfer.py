@@ -1,0 +1,342 @@
+"""Paged KV-cache tensors <-> store payloads, and an executor for the scheduler's jobs.
+
+Payload layout (one offloaded block = ``factor`` GPU blocks x all layers of one TP rank)::
+
+    offset 0   16-byte header: magic b"kvsP", u16 version (1), u16 factor,
+               8-byte layout fingerprint (sha256 of the per-layer shapes/dtypes,
+               block dimension and factor)
+    offset 16  layer 0 part, then layer 1 part, ... in the order of ``kv_caches``
+
+A layer part is the raw bytes (``.view(torch.uint8)``, so bf16 and fp8 travel bit-exact) of
+``cache.index_select(block_dim, ids)``, C-contiguous -- the layer tensor cut down to the
+offloaded block's ``factor`` GPU blocks along its block dimension, in job order. For the
+usual ``[2, num_blocks, block_size, heads, dim]`` (``block_dim=1``) a part is
+``[2, factor, block_size, heads, dim]``: all K of the block, then all V. For
+``[num_blocks, 2, block_size, heads, dim]`` (``block_dim=0``) it is ``[factor, 2, ...]``.
+
+The header makes a payload from a different dtype, shape or factor fail loudly
+(:class:`PayloadMismatch`, a :class:`~kvstore.errors.BlockSizeError`) even when its size
+happens to match. Payloads of one layout are interchangeable between processes and hosts.
+
+On CUDA, gathers and scatters run on a side stream through pinned host buffers (one
+device->host or host->device copy per payload) and are synchronized before returning; on a
+CPU cache they go straight between CPU tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
+from kvstore.errors import BlockSizeError, KVStoreError
+
+__all__ = [
+    "HEADER_SIZE",
+    "BlockClient",
+    "Completed",
+    "PagedKVTransfer",
+    "PayloadMismatch",
+    "TransferExecutor",
+]
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<4sHH8s")
+_MAGIC = b"kvsP"
+_VERSION = 1
+HEADER_SIZE = _HEADER.size  # 16: keeps every layer part 16-byte aligned
+
+
+class PayloadMismatch(BlockSizeError):
+    """A payload does not have the size or layout of this cache's offloaded block."""
+
+
+class PagedKVTransfer:
+    """Gathers offloaded blocks out of a paged KV cache and scatters them back in.
+
+    Args:
+        kv_caches: one tensor per layer, all with the GPU-block axis at ``block_dim`` and the
+            same number of GPU blocks, on one device; any dtype.
+        block_size_factor: GPU blocks per offloaded block.
+        block_dim: the GPU-block axis of every layer tensor (1 for ``[2, N, B, H, D]``,
+            0 for ``[N, 2, B, H, D]``); not the last axis.
+
+    Raises:
+        ValueError: the tensors disagree or the layout is unsupported.
+    """
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size_factor: int, *, block_dim: int = 1) -> None:
+        if not kv_caches:
+            raise ValueError("no KV cache tensors given")
+        if block_size_factor < 1:
+            raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+        first = kv_caches[0]
+        ndim = first.dim()
+        dim = block_dim + ndim if block_dim < 0 else block_dim
+        if not 0 <= dim < ndim - 1:
+            raise ValueError(f"block_dim {block_dim} must name an axis before the last of a {ndim}-d tensor")
+        self.device = first.device
+        self.block_dim = dim
+        self.factor = block_size_factor
+        self.num_gpu_blocks = first.shape[dim]
+        self._layers: list[torch.Tensor] = []  # uint8 views: bytes move, never values
+        self._part_shapes: list[tuple[int, ...]] = []
+        description: list[object] = [dim, block_size_factor]
+        for i, cache in enumerate(kv_caches):
+            if cache.dim() != ndim or cache.device != self.device or cache.shape[dim] != self.num_gpu_blocks:
+                raise ValueError(f"layer {i} {tuple(cache.shape)} on {cache.device} does not match layer 0")
+            if cache.stride(-1) != 1:
+                raise ValueError(f"layer {i}: the last axis must be contiguous")
+            raw = cache.view(torch.uint8)
+            shape = list(raw.shape)
+            shape[dim] = block_size_factor
+            self._layers.append(raw)
+            self._part_shapes.append(tuple(shape))
+            description.append((str(cache.dtype), tuple(cache.shape[:dim] + cache.shape[dim + 1 :])))
+        self._part_sizes = [_numel(s) for s in self._part_shapes]
+        self._offsets = [HEADER_SIZE + sum(self._part_sizes[:i]) for i in range(len(self._part_sizes))]
+        self.payload_size = HEADER_SIZE + sum(self._part_sizes)
+        fingerprint = hashlib.sha256(repr(description).encode()).digest()[:8]
+        self._header = torch.frombuffer(
+            bytearray(_HEADER.pack(_MAGIC, _VERSION, block_size_factor, fingerprint)), dtype=torch.uint8
+        )
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+
+    def new_payloads(self, n: int) -> list[torch.Tensor]:
+        """``n`` host buffers of ``payload_size`` bytes (pinned when the cache is on CUDA)."""
+        return [torch.empty(self.payload_size, dtype=torch.uint8, pin_memory=self._cuda) for _ in range(n)]
+
+    def gather(self, gpu_block_ids: Sequence[int], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Payloads of the offloaded blocks made of ``gpu_block_ids`` (``factor`` ids each).
+
+        Args:
+            gpu_block_ids: GPU blocks in chain order.
+            out: host uint8 buffers to fill (one per payload); new ones when None.
+
+        Returns:
+            One contiguous host uint8 tensor per offloaded block; the cache is not modified.
+
+        Raises:
+            ValueError: the ids are not whole offloaded blocks or are out of range.
+            PayloadMismatch: an ``out`` buffer has the wrong size.
+        """
+        n, rest = divmod(len(gpu_block_ids), self.factor)
+        if rest:
+            raise ValueError(f"{len(gpu_block_ids)} GPU blocks are not whole offloaded blocks of {self.factor}")
+        ids = self._ids(gpu_block_ids)
+        payloads = list(out) if out is not None else self.new_payloads(n)
+        if len(payloads) != n:
+            raise ValueError(f"{n} payloads to gather but {len(payloads)} buffers")
+        for i, p in enumerate(payloads):
+            self._check_size(i, p.numel() * p.element_size())
+        with self._on_side_stream():
+            work = payloads if not self._cuda else [torch.empty_like(p, device=self.device) for p in payloads]
+            for i, dst in enumerate(work):
+                block_ids = ids[i * self.factor : (i + 1) * self.factor]
+                for raw, off, size, shape in zip(self._layers, self._offsets, self._part_sizes, self._part_shapes):
+                    torch.index_select(raw, self.block_dim, block_ids, out=dst[off : off + size].view(shape))
+            if self._cuda:
+                for dst, src in zip(payloads, work):
+                    dst.copy_(src, non_blocking=True)
+        for p in payloads:
+            p[:HEADER_SIZE].copy_(self._header)
+        return payloads
+
+    def scatter(self, payloads: Sequence[Any], gpu_block_ids: Sequence[int], *, skip: int = 0) -> None:
+        """Write payloads into the cache's GPU blocks (the inverse of :meth:`gather`).
+
+        Args:
+            payloads: bytes-like objects or uint8 tensors, one per offloaded block.
+            gpu_block_ids: ``len(payloads) * factor - skip`` destination GPU blocks.
+            skip: leading GPU blocks of the first payload not to write (already cached).
+
+        Raises:
+            PayloadMismatch: a payload's size or header does not match this cache.
+            ValueError: wrong number of ids, duplicates or ids out of range.
+        """
+        n = len(payloads)
+        if not 0 <= skip < self.factor or len(gpu_block_ids) != n * self.factor - skip:
+            raise ValueError(f"{n} payloads with skip={skip} need {n * self.factor - skip} GPU blocks, "
+                             f"got {len(gpu_block_ids)}")
+        if len(set(gpu_block_ids)) != len(gpu_block_ids):
+            raise ValueError("duplicate destination GPU blocks")
+        ids = self._ids(gpu_block_ids)
+        sources = [self._checked(i, p) for i, p in enumerate(payloads)]
+        with self._on_side_stream():
+            if self._cuda:
+                sources = [s.to(self.device, non_blocking=True) for s in sources]
+            pos = 0
+            for i, src in enumerate(sources):
+                first = skip if i == 0 else 0
+                block_ids = ids[pos : pos + self.factor - first]
+                pos += self.factor - first
+                for raw, off, size, shape in zip(self._layers, self._offsets, self._part_sizes, self._part_shapes):
+                    part = src[off : off + size].view(shape).narrow(self.block_dim, first, self.factor - first)
+                    raw.index_copy_(self.block_dim, block_ids, part)
+
+    def _ids(self, gpu_block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(gpu_block_ids), dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_gpu_blocks):
+            raise ValueError(f"GPU block ids must be in 0..{self.num_gpu_blocks - 1}")
+        return ids.to(self.device)
+
+    def _check_size(self, index: int, size: int) -> None:
+        if size != self.payload_size:
+            raise PayloadMismatch(
+                f"payload {index} has {size} bytes; this cache's offloaded block is {self.payload_size} "
+                f"({HEADER_SIZE} header + {self.factor} GPU blocks x {len(self._layers)} layers)"
+            )
+
+    def _checked(self, index: int, payload: Any) -> torch.Tensor:
+        if isinstance(payload, torch.Tensor):
+            if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+                raise PayloadMismatch(f"payload {index} must be a contiguous 1-d uint8 tensor")
+            tensor = payload
+        else:
+            view = memoryview(payload).cast("B")
+            # torch.frombuffer warns on read-only memory; copy it rather than risk writes
+            tensor = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8) \
+                if len(view) else torch.empty(0, dtype=torch.uint8)
+        self._check_size(index, tensor.numel())
+        header = bytes(tensor[:HEADER_SIZE].cpu().numpy())
+        if header != bytes(self._header.numpy()):
+            magic, version, factor, _ = _HEADER.unpack(header)
+            what = "not a kvstore KV payload" if magic != _MAGIC else (
+                f"version {version}, factor {factor}, another dtype/shape/layout")
+            raise PayloadMismatch(f"payload {index} does not fit this cache: {what}")
+        return tensor
+
+    def _on_side_stream(self) -> Any:
+        if self._stream is None:
+            return _NullContext()
+        return _SideStream(self._stream)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _SideStream:
+    """Run on a side stream after the compute stream's pending work; wait for it on exit."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self._ctx = torch.cuda.stream(stream)
+
+    def __enter__(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+        self.stream.synchronize()
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class BlockClient(Protocol):
+    """What the executor needs of a client (:class:`kvstore.client.KVClient` has it)."""
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Any: ...
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]: ...
+
+    def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+
+@dataclass(frozen=True)
+class Completed:
+    """Result of :meth:`TransferExecutor.run`: GPU blocks now free, and the jobs that failed.
+
+    A failed load means the engine must compute those tokens itself.
+    """
+
+    freed: tuple[int, ...]
+    failed: tuple[LoadJob | StoreJob, ...]
+
+
+class TransferExecutor:
+    """Runs the scheduler's jobs against a client, synchronously, and reports them done.
+
+    Args:
+        client: the store (``put``/``get_into``/``lookup``).
+        transfer: the engine's paged cache.
+        scheduler: told about every finished job.
+        pin: lease the blocks a lookup finds until the load fetches them, so eviction cannot
+            take them in between (needs ``lookup(pin=)``/``get_into(unpin=)``, as ``KVClient``).
+    """
+
+    def __init__(
+        self, client: BlockClient, transfer: PagedKVTransfer, scheduler: OffloadScheduler, *, pin: bool = False
+    ) -> None:
+        if scheduler.factor != transfer.factor:
+            raise ValueError(f"scheduler factor {scheduler.factor} != transfer factor {transfer.factor}")
+        self.client = client
+        self.transfer = transfer
+        self.scheduler = scheduler
+        self.pin = pin
+
+    def lookup(self, keys: list[bytes]) -> int:
+        """The :data:`~kvstore.engine.offload.LookupFn` to give ``num_external_tokens``."""
+        if self.pin:
+            return self.client.lookup(keys, pin=True)  # type: ignore[call-arg]
+        return self.client.lookup(keys)
+
+    def load(self, job: LoadJob) -> bool:
+        """Fetch and scatter one load; False (cache untouched) if a block is missing."""
+        payloads = self.transfer.new_payloads(len(job.keys))
+        buffers = [memoryview(p.numpy()) for p in payloads]
+        if self.pin:
+            found = self.client.get_into(list(job.keys), buffers, unpin=True)  # type: ignore[call-arg]
+        else:
+            found = self.client.get_into(list(job.keys), buffers)
+        if not all(found):
+            return False
+        self.transfer.scatter(payloads, job.gpu_block_ids, skip=job.skip)
+        return True
+
+    def store(self, job: StoreJob) -> None:
+        """Gather and put one store; raises what the client raises."""
+        payloads = self.transfer.gather(job.gpu_block_ids)
+        self.client.put(list(job.keys), [memoryview(p.numpy()) for p in payloads])
+
+    def run(self, jobs: Iterable[LoadJob | StoreJob]) -> Completed:
+        """Run jobs in order and report each to the scheduler.
+
+        A :class:`~kvstore.errors.KVStoreError` (store unreachable, full, corrupt block, payload
+        of another layout) fails the job -- logged, reported, returned -- instead of the step.
+        """
+        freed: list[int] = []
+        failed: list[LoadJob | StoreJob] = []
+        for job in jobs:
+            try:
+                if isinstance(job, LoadJob):
+                    ok = self.load(job)
+                else:
+                    self.store(job)
+                    ok = True
+            except KVStoreError as exc:
+                logger.warning("%s %d of request %s failed: %s", type(job).__name__, job.job_id, job.req_id, exc)
+                ok = False
+            if not ok:
+                failed.append(job)
+            done = self.scheduler.on_load_done if isinstance(job, LoadJob) else self.scheduler.on_store_done
+            freed.extend(done(job.job_id, ok))
+        return Completed(tuple(freed), tuple(failed))

@@ -1,0 +1,312 @@
+"""Eviction policies: the order in which unpinned blocks are dropped.
+
+A policy knows keys only (the store uses ``(namespace, key_bytes)`` tuples);
+the store owns the blocks, pins and leases. Contract of :class:`EvictionPolicy`:
+
+- ``add(key, parent=None)``: ``key`` was just stored. It becomes the most
+  recent key -- unless ``parent`` (its predecessor in a chain) is tracked in
+  the same list, in which case it goes *just before* the parent: a block is
+  never worth more than its predecessor, because a prefix lookup cannot reach
+  it without it. A put batch arrives head first, so this keeps each chain's
+  tail ahead of its head in the eviction queue.
+- ``touch(keys, parent=None)``: ``keys`` were accessed together, in chain
+  order. ``keys[0]`` becomes the most recent (or goes just before ``parent``)
+  and each later key goes just before the previous one: among equally recent
+  blocks, the later blocks of a chain are evicted first. Unknown keys are
+  ignored; a demoted key that is touched is live again.
+- ``remove(key)``: the store deleted ``key``; no trace is kept (no ghost).
+  Unknown keys are ignored.
+- ``demote(key)``: ``key`` is stranded (its predecessor is gone), so it is
+  evicted before every live key; stranded keys leave in demotion order.
+- ``evict(protected)``: pick exactly one key for which ``protected(key)`` is
+  false, drop it from the resident structures and return it -- or return
+  ``None`` and change nothing. Protected keys are skipped where they stand, so
+  a few pinned keys cost a few extra steps, never a rescan per key.
+- ``len(policy)`` and ``key in policy`` count resident keys (live and stranded).
+
+Policies are chosen by name: :data:`POLICIES` and :func:`make_policy`.
+vLLM's ``vllm/v1/kv_offload`` (LRU and ARC behind one cache-policy interface,
+"evict exactly n, skipping protected keys, or return None and change
+nothing") is the precedent; chain order and stranding are kvstore's own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, ClassVar, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+# Sentinel of the circular lists: before it is the back (most valuable end).
+_END: Any = object()
+
+
+class _Order(Generic[K]):
+    """Keys from the next victim (front) to the most valuable (back).
+
+    A doubly linked list threaded through two dicts: unlike an OrderedDict,
+    which only moves keys to its ends, it inserts next to any member in O(1),
+    which placing a block just before its chain predecessor needs.
+    """
+
+    __slots__ = ("_next", "_prev")
+
+    def __init__(self) -> None:
+        self._next: dict[Any, Any] = {_END: _END}
+        self._prev: dict[Any, Any] = {_END: _END}
+
+    def __len__(self) -> int:
+        return len(self._next) - 1
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._next
+
+    def insert_before(self, key: K, anchor: Any) -> None:
+        """Link ``key`` (not a member) just before ``anchor`` (a member or _END)."""
+        before = self._prev[anchor]
+        self._next[before] = key
+        self._prev[key] = before
+        self._next[key] = anchor
+        self._prev[anchor] = key
+
+    def discard(self, key: K) -> bool:
+        """Unlink ``key``; False when it was not a member."""
+        after = self._next.pop(key, _END)
+        if after is _END and key not in self._prev:
+            return False
+        before = self._prev.pop(key)
+        self._next[before] = after
+        self._prev[after] = before
+        return True
+
+    def pop_victim(self, protected: Callable[[K], bool]) -> K | None:
+        """Unlink and return the front-most unprotected key, or None."""
+        nxt = self._next
+        key = nxt[_END]
+        while key is not _END:
+            if not protected(key):
+                self.discard(key)
+                return key  # type: ignore[no-any-return]
+            key = nxt[key]
+        return None
+
+    def __iter__(self) -> Any:
+        key = self._next[_END]
+        while key is not _END:
+            yield key
+            key = self._next[key]
+
+
+def _pop_first(keys: dict[K, Any], protected: Callable[[K], bool]) -> K | None:
+    """Remove and return the first unprotected key of an insertion-ordered dict."""
+    for key in keys:
+        if not protected(key):
+            del keys[key]  # safe: the loop ends here
+            return key
+    return None
+
+
+class EvictionPolicy(ABC, Generic[K]):
+    """Orders resident keys for eviction; see the module docstring for the contract."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def add(self, key: K, parent: K | None = None) -> None:
+        """Track a newly stored key (most recent, or just before ``parent``)."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
+        """Record one access of ``keys`` in chain order (first = most valuable)."""
+
+    @abstractmethod
+    def remove(self, key: K) -> None:
+        """Forget a key the store deleted (unknown keys are ignored)."""
+
+    @abstractmethod
+    def demote(self, key: K) -> None:
+        """Mark a key stranded: evict it before anything still reachable."""
+
+    @abstractmethod
+    def evict(self, protected: Callable[[K], bool]) -> K | None:
+        """Remove and return one unprotected key, or return None and change nothing."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Resident keys (live and stranded)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident."""
+
+
+class _ChainPolicy(EvictionPolicy[K]):
+    """What LRU and ARC share: the stranded queue and chain-ordered placement."""
+
+    def __init__(self) -> None:
+        self._stranded: dict[K, None] = {}  # FIFO: the first demoted leaves first
+
+    def _place(self, order: _Order[K], keys: Iterable[K], anchor: Any, take: Callable[[K], bool]) -> None:
+        """Put ``keys`` into ``order``: the first just before ``anchor``, each
+        later one just before the previous. ``take`` unlinks a key from wherever
+        it is and says whether it was resident; non-resident keys are skipped."""
+        for key in keys:
+            if key == anchor or not take(key):
+                continue
+            order.insert_before(key, anchor)
+            anchor = key
+
+    def _evict_stranded(self, protected: Callable[[K], bool]) -> K | None:
+        return _pop_first(self._stranded, protected)
+
+    def _unstrand(self, key: K) -> bool:
+        return self._stranded.pop(key, _END) is not _END
+
+
+class LRUPolicy(_ChainPolicy[K]):
+    """Least recently used first; within one access, later chain blocks first."""
+
+    name: ClassVar[str] = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: _Order[K] = _Order()
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._stranded)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live or key in self._stranded
+
+    def add(self, key: K, parent: K | None = None) -> None:
+        if key in self:
+            self.touch((key,), parent)
+        else:
+            self._live.insert_before(key, self._anchor(parent))
+
+    def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
+        self._place(self._live, keys, self._anchor(parent), self._take)
+
+    def remove(self, key: K) -> None:
+        self._take(key)
+
+    def demote(self, key: K) -> None:
+        if self._live.discard(key):
+            self._stranded[key] = None
+
+    def evict(self, protected: Callable[[K], bool]) -> K | None:
+        victim = self._evict_stranded(protected)
+        if victim is None:
+            victim = self._live.pop_victim(protected)
+        return victim
+
+    def _anchor(self, parent: K | None) -> Any:
+        return parent if parent is not None and parent in self._live else _END
+
+    def _take(self, key: K) -> bool:
+        return self._live.discard(key) or self._unstrand(key)
+
+
+class ARCPolicy(_ChainPolicy[K]):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), counted in blocks.
+
+    T1 holds keys seen once, T2 keys seen again; B1/B2 remember keys recently
+    evicted from each (ghosts, keys only). A re-added key found in B1 means T1
+    was too small, so the target size ``p`` of T1 grows; found in B2, it shrinks.
+    The cache size ``c`` of the paper is the number of resident blocks when an
+    eviction happens (blocks differ in size, so there is no fixed count);
+    ghosts are trimmed to ``|T1|+|B1| <= c`` and ``|T1|+|T2|+|B1|+|B2| <= 2c``.
+    Evicting a stranded key leaves no ghost: its eviction says nothing about
+    recency against frequency.
+    """
+
+    name: ClassVar[str] = "arc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._t1: _Order[K] = _Order()
+        self._t2: _Order[K] = _Order()
+        self._b1: OrderedDict[K, None] = OrderedDict()
+        self._b2: OrderedDict[K, None] = OrderedDict()
+        self.p: float = 0.0  # target size of T1, in blocks
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2) + len(self._stranded)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2 or key in self._stranded
+
+    def ghosts(self) -> tuple[int, int]:
+        """Sizes of B1 and B2 (for tests and stats)."""
+        return len(self._b1), len(self._b2)
+
+    def add(self, key: K, parent: K | None = None) -> None:
+        if key in self:
+            self.touch((key,), parent)
+            return
+        target = self._t2
+        if key in self._b1:  # evicted from T1 too early: favour recency
+            self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), float(len(self) + 1))
+            del self._b1[key]
+        elif key in self._b2:  # evicted from T2 too early: favour frequency
+            self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+            del self._b2[key]
+        else:
+            target = self._t1
+        target.insert_before(key, parent if parent is not None and parent in target else _END)
+
+    def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
+        anchor = parent if parent is not None and parent in self._t2 else _END
+        self._place(self._t2, keys, anchor, self._take)
+
+    def remove(self, key: K) -> None:
+        self._take(key)
+
+    def demote(self, key: K) -> None:
+        if self._t1.discard(key) or self._t2.discard(key):
+            self._stranded[key] = None
+
+    def evict(self, protected: Callable[[K], bool]) -> K | None:
+        victim = self._evict_stranded(protected)
+        if victim is not None:
+            return victim
+        size = len(self)
+        if len(self._t1) > self.p:
+            lists = ((self._t1, self._b1), (self._t2, self._b2))
+        else:
+            lists = ((self._t2, self._b2), (self._t1, self._b1))
+        for resident, ghosts in lists:
+            victim = resident.pop_victim(protected)
+            if victim is not None:
+                ghosts[victim] = None
+                self._trim_ghosts(size)
+                return victim
+        return None
+
+    def _trim_ghosts(self, c: int) -> None:
+        t1, b1, b2 = len(self._t1), self._b1, self._b2
+        while b1 and t1 + len(b1) > c:
+            b1.popitem(last=False)
+        while b2 and t1 + len(self._t2) + len(b1) + len(b2) > 2 * c:
+            b2.popitem(last=False)
+
+    def _take(self, key: K) -> bool:
+        return self._t1.discard(key) or self._t2.discard(key) or self._unstrand(key)
+
+
+POLICIES: dict[str, type[EvictionPolicy[Any]]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy[Any]:
+    """A fresh policy by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    try:
+        cls = POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls()

@@ -1,0 +1,651 @@
+"""kvstore as the storage tier of vLLM's ``OffloadingConnector`` (vLLM 0.33).
+
+Start vLLM with (``docs/vllm.md`` has the details)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {
+            "spec_name": "KVStoreOffloadingSpec",
+            "spec_module_path": "kvstore.integrations.vllm",
+            "block_size": 64, "kvstore_addr": "127.0.0.1:7600"}}'
+
+vLLM's ``OffloadingSpecFactory`` imports this module and builds
+:class:`KVStoreOffloadingSpec`, whose two halves replace vLLM's CPU tier:
+
+- Scheduler side, :class:`KVStoreOffloadingManager`: what is stored, what to
+  load, what to store. It keeps no index of its own -- the server is the index,
+  shared by every engine that uses the same namespace.
+- Worker side, :class:`KVStoreOffloadingWorker`: moves the KV bytes of GPU
+  blocks to and from the server (gather/scatter by
+  :class:`kvstore.engine.transfer.PagedKVTransfer`), on background threads.
+
+Keys. vLLM names an offloaded chunk (``blocks_per_chunk`` GPU blocks of one
+KV-cache group) by an ``OffloadKey``: the block hash of its last GPU block plus
+the group index (4 bytes). Every worker (TP/PP rank) holds its own slice of a
+chunk, so the store key is the ``OffloadKey`` followed by the rank (2 bytes,
+big-endian); a chunk counts as present only when the keys of all ranks are.
+The payload is :class:`~kvstore.engine.transfer.PagedKVTransfer`'s: a header
+with a layout fingerprint, then each layer's pages of the chunk.
+
+P/D. A request whose ``kv_transfer_params`` has ``do_remote_decode`` gets
+``OffloadPolicy.REQUEST_LEVEL`` from :meth:`KVStoreOffloadingManager.on_new_request`,
+so vLLM offers every chunk of it for storing, the loaded prefix included, and
+:meth:`~KVStoreOffloadingManager.prepare_store` stores them all (without the
+dedup against the server that other requests get): when the prefill finishes,
+the whole prompt is in the store for the remote decode engine, freshly touched.
+
+Only this module imports vLLM; kvstore itself never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
+
+from kvstore.client import KVClient
+from kvstore.engine.transfer import PagedKVTransfer
+from kvstore.errors import KVStoreError
+
+__all__ = [
+    "KVStoreLoadStoreSpec",
+    "KVStoreOffloadingManager",
+    "KVStoreOffloadingSpec",
+    "KVStoreOffloadingWorker",
+    "KVStoreSettings",
+    "default_namespace",
+    "store_key",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDR = "127.0.0.1:7600"
+# The scheduler blocks on its lookups: a dead server must turn into misses
+# quickly, not stall the engine for the client's default 30 s.
+DEFAULT_TIMEOUT_S = 5.0
+_MAX_NAMESPACE = 256
+_RANK_BYTES = 2
+
+
+def store_key(key: OffloadKey | bytes, rank: int) -> bytes:
+    """The server key of one rank's slice of an offloaded chunk."""
+    return bytes(key) + rank.to_bytes(_RANK_BYTES, "big")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class KVStoreSettings:
+    """The ``kvstore_*`` entries of ``kv_connector_extra_config``.
+
+    Attributes:
+        addr: ``kvstore_addr``: ``"host:port"``, or several (a list, or one string
+            separated by commas) for a client that shards over servers.
+        namespace: ``kvstore_namespace``; default :func:`default_namespace`.
+        token: ``kvstore_token``, or the contents of ``kvstore_token_file``.
+        tls: ``kvstore_tls``: ``true`` for the system CAs, or a CA file path.
+        timeout: ``kvstore_timeout`` in seconds, per request.
+        lease_ms: ``kvstore_lease_ms``: how long a lookup's pin protects a block
+            from eviction if its load never comes; default the server's.
+        flush_on_reset: ``kvstore_flush_on_reset``: make vLLM's connector cache
+            reset delete the whole namespace on the server (off by default: the
+            store is shared with other engines).
+    """
+
+    addr: str | tuple[str, ...] = DEFAULT_ADDR
+    namespace: str = "default"
+    token: str | None = None
+    tls: bool | str | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    lease_ms: int | None = None
+    flush_on_reset: bool = False
+
+    @classmethod
+    def from_config(cls, config: OffloadingConfig) -> KVStoreSettings:
+        """Read the settings from an ``OffloadingConfig``.
+
+        Raises:
+            ValueError: an entry has the wrong type, or both token forms are given.
+        """
+        extra = config.extra_config
+        addr = _parse_addr(extra.get("kvstore_addr", DEFAULT_ADDR))
+        namespace = extra.get("kvstore_namespace") or default_namespace(config)
+        if not isinstance(namespace, str) or len(namespace) > _MAX_NAMESPACE:
+            raise ValueError(f"kvstore_namespace must be a string of 1..{_MAX_NAMESPACE} characters")
+        token = extra.get("kvstore_token")
+        token_file = extra.get("kvstore_token_file")
+        if token is not None and token_file is not None:
+            raise ValueError("give kvstore_token or kvstore_token_file, not both")
+        if token_file is not None:
+            token = Path(token_file).read_text().strip()
+        tls = extra.get("kvstore_tls")
+        if tls is not None and not isinstance(tls, (bool, str)):
+            raise ValueError("kvstore_tls must be true/false or a CA file path")
+        lease = extra.get("kvstore_lease_ms")
+        return cls(
+            addr=addr,
+            namespace=namespace,
+            token=token,
+            tls=tls,
+            timeout=float(extra.get("kvstore_timeout", DEFAULT_TIMEOUT_S)),
+            lease_ms=None if lease is None else int(lease),
+            flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False)),
+        )
+
+    def client(self) -> KVClient:
+        """A connected blocking client.
+
+        Raises:
+            KVStoreError: the server cannot be reached or refuses the token.
+        """
+        client = KVClient(self.addr, namespace=self.namespace, token=self.token, tls=self.tls,
+                          timeout=self.timeout)
+        try:
+            client.connect()
+        except KVStoreError as exc:
+            client.close()
+            raise type(exc)(f"kvstore server {self.addr} (namespace {self.namespace!r}): {exc}") from exc
+        return client
+
+
+def default_namespace(config: OffloadingConfig) -> str:
+    """A namespace that only engines with byte-compatible chunks share.
+
+    It names the model, KV dtype and layout, the parallel layout (a rank's slice
+    depends on it) and the chunk geometry. It does not name vLLM's prefix hash
+    algorithm: engines that share a namespace must hash alike (``sha256`` or
+    ``sha256_cbor``, or one ``PYTHONHASHSEED`` for the non-cryptographic ones).
+    """
+    par = config.parallel
+    layout = f"tp{par.tp_size}pp{par.pp_size}"
+    if par.pcp_size > 1:
+        layout += f"pcp{par.pcp_size}"
+    if par.dcp_size > 1:
+        layout += f"dcp{par.dcp_size}"
+    blocks = "+".join(str(g.tokens_per_block) for g in config.groups)
+    parts = ["vllm", config.model.name, config.model.dtype, config.kv_cache_layout or "auto", layout,
+             f"b{blocks}x{config.cache.blocks_per_chunk}"]
+    ns = "/".join(parts)
+    if len(ns) > _MAX_NAMESPACE:  # a long local model path: keep it unique, not readable
+        ns = "vllm/" + hashlib.sha256(ns.encode()).hexdigest()
+    return ns
+
+
+def _parse_addr(value: Any) -> str | tuple[str, ...]:
+    if isinstance(value, str):
+        addrs = [a.strip() for a in value.split(",") if a.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(a, str) for a in value):
+        addrs = list(value)
+    else:
+        raise ValueError(f"kvstore_addr must be 'host:port' or a list of them, got {value!r}")
+    if not addrs:
+        raise ValueError("kvstore_addr is empty")
+    return addrs[0] if len(addrs) == 1 else tuple(addrs)
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+# --------------------------------------------------------------------------- scheduler side
+
+
+class KVStoreLoadStoreSpec(LoadStoreSpec):
+    """The chunks of one transfer: their ``OffloadKey``\\s, in the GPU blocks' order.
+
+    Travels from the scheduler to every worker; each worker adds its rank.
+    """
+
+    def __init__(self, keys: Sequence[OffloadKey | bytes]) -> None:
+        self.keys: list[bytes] = [bytes(k) for k in keys]
+
+    def __repr__(self) -> str:
+        return f"KVStoreLoadStoreSpec({len(self.keys)} chunks)"
+
+
+class KVStoreOffloadingManager(OffloadingManager):
+    """vLLM's scheduler-side offloading manager, with the kvstore server as its index.
+
+    Round trips. vLLM asks :meth:`lookup` one key at a time. The first question
+    about a request in a scheduling step sends the request's whole remaining
+    chain (every rank's key) in one prefix LOOKUP that also pins the hits; the
+    other answers of the step come from that reply. Windowed (sliding-window,
+    Mamba) groups are scanned from the end, so they ask one EXISTS for all the
+    group's chunks instead, and pin in :meth:`prepare_load`.
+
+    Pins. A pin is a lease on the server. Those of this step's hits that a load
+    takes (:meth:`prepare_load`) are dropped by the worker's GET once it has the
+    bytes; the rest are dropped at the end of the step (:meth:`on_schedule_end`).
+    A lease that nobody drops expires on the server.
+
+    Stores. :meth:`prepare_store` skips chunks that are already stored (one
+    EXISTS) or being stored, except for ``do_remote_decode`` requests, which
+    store everything. Eviction is the server's business, so ``evicted_keys`` is
+    always empty and there are no offloading events.
+
+    Errors. The store is a cache: an unreachable server makes lookups miss and
+    stores be skipped (``prepare_store`` returns ``None``), with a warning.
+
+    Only vLLM's scheduler thread enters it, so the default no-op ``lock`` fits.
+    """
+
+    def __init__(
+        self,
+        client: KVClient,
+        *,
+        world_size: int = 1,
+        groups: Sequence[OffloadingGroupConfig] = (),
+        blocks_per_chunk: int = 1,
+        lease_ms: int | None = None,
+        flush_on_reset: bool = False,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self._client = client
+        self._world_size = world_size
+        self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
+        self._windowed = frozenset(g.group_id for g in groups if g.sliding_window_size_in_chunks is not None)
+        self._lease_ms = lease_ms
+        self._flush_on_reset = flush_on_reset
+        self._known: dict[bytes, bool] = {}  # this step's answers
+        self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
+        self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
+        self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
+
+    # -- keys
+    def _wire(self, keys: Sequence[bytes]) -> list[bytes]:
+        return [store_key(k, r) for k in keys for r in range(self._world_size)]
+
+    def _all_ranks(self, flags: Sequence[bool], i: int) -> bool:
+        ws = self._world_size
+        return all(flags[i * ws : (i + 1) * ws])
+
+    def _chain(self, key: bytes, req_context: ReqContext, whole_group: bool) -> list[bytes]:
+        """The request's chunk keys of ``key``'s group, from ``key`` on (or all of them).
+
+        vLLM's scheduler records every key's end-token position in the request
+        context "so managers can recover prefix order" (``ReqContext``); that is
+        where the rest of the chain comes from. Without it: just ``key``.
+        """
+        positions: Mapping[bytes, int] | None = getattr(req_context, "_offload_key_positions", None)
+        group = get_offload_group_idx(OffloadKey(key))
+        step = self._chunk_tokens.get(group)
+        pos = positions.get(key) if positions else None  # type: ignore[call-overload]
+        if positions is None or pos is None or not step or pos % step:
+            return [key]
+        start = 0 if whole_group else pos
+        chain = sorted(
+            (p, k) for k, p in positions.items()
+            if p >= start and p % step == 0 and get_offload_group_idx(OffloadKey(k)) == group
+        )
+        return [k for _, k in chain]
+
+    # -- lookups
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        known = self._known.get(key)
+        if known is None:
+            self._probe(key, req_context)
+            known = self._known.get(key, False)
+        return LookupResult.HIT if known else LookupResult.MISS
+
+    def _probe(self, key: bytes, req_context: ReqContext) -> None:
+        windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
+        chain = self._chain(key, req_context, whole_group=windowed)
+        wire = self._wire(chain)
+        try:
+            self.round_trips += 1
+            if windowed:
+                present = self._client.exists(wire)
+                for i, k in enumerate(chain):
+                    self._known[k] = self._all_ranks(present, i)
+                return
+            n = self._client.lookup(wire, pin=True, lease_ms=self._lease_ms)
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed, treating it as a miss: %s", exc)
+            self._known[key] = False
+            return
+        self._step_pins.update(wire[:n])
+        hits = n // self._world_size
+        for k in chain[:hits]:
+            self._known[k] = True
+        if hits < len(chain):
+            self._known[chain[hits]] = False
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        unpinned: list[bytes] = []
+        for w in self._wire(keys):
+            if self._step_pins[w] > 0:
+                self._step_pins[w] -= 1  # the worker's GET drops this lease
+            else:
+                unpinned.append(w)
+        if unpinned:
+            try:
+                self.round_trips += 1
+                n = self._client.lookup(unpinned, pin=True, lease_ms=self._lease_ms)
+            except KVStoreError as exc:
+                logger.warning("kvstore: could not pin %d blocks to load: %s", len(unpinned), exc)
+            else:
+                if n < len(unpinned):
+                    logger.warning("kvstore: %d of %d blocks to load are gone already", len(unpinned) - n,
+                                   len(unpinned))
+        return KVStoreLoadStoreSpec(keys)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._known.clear()
+        self._release_step_pins()
+
+    def _release_step_pins(self) -> None:
+        leftover = list(self._step_pins.elements())
+        self._step_pins.clear()
+        if not leftover:
+            return
+        try:
+            self.round_trips += 1
+            self._client.unpin(leftover)
+        except KVStoreError as exc:  # the leases expire on their own
+            logger.warning("kvstore: could not unpin %d blocks: %s", len(leftover), exc)
+
+    # -- stores
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if _remote_decode(req_context):
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        todo = [bytes(k) for k in keys if not self._storing[k]]
+        if todo and not _remote_decode(req_context):
+            try:
+                self.round_trips += 1
+                present = self._client.exists(self._wire(todo))
+            except KVStoreError as exc:
+                logger.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
+                return None
+            todo = [k for i, k in enumerate(todo) if not self._all_ranks(present, i)]
+        self._storing.update(todo)
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in todo],
+            store_spec=KVStoreLoadStoreSpec(todo),
+            evicted_keys=[],
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        for k in keys:
+            if self._storing[k] > 1:
+                self._storing[k] -= 1
+            else:
+                self._storing.pop(k, None)
+
+    # -- lifecycle
+    def reset_cache(self) -> None:
+        self._known.clear()
+        self._release_step_pins()
+        self._storing.clear()  # vLLM drops the jobs in flight: no complete_store will come
+        if self._flush_on_reset:
+            try:
+                self._client.flush()
+            except KVStoreError as exc:
+                logger.warning("kvstore: could not flush namespace %s: %s", self._client.namespace, exc)
+
+    def shutdown(self) -> None:
+        self._release_step_pins()
+        try:
+            self._client.close()
+        except KVStoreError:  # pragma: no cover - closing never needs the server
+            pass
+
+
+def _remote_decode(req_context: ReqContext) -> bool:
+    params = req_context.kv_transfer_params
+    return bool(params and params.get("do_remote_decode"))
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One KV-cache group's share of a transfer."""
+
+    transfer: PagedKVTransfer
+    keys: list[bytes]  # this rank's store keys, one per chunk
+    block_ids: list[int]  # GPU blocks, in chunk order
+    skip: int  # GPU blocks of the first chunk outside the transfer
+
+
+class KVStoreOffloadingWorker(OffloadingWorker):
+    """Moves chunks between this worker's paged KV cache and the server.
+
+    Stores run on one thread and loads on another, in submission order each; a
+    job is gather + PUT, or GET (straight into host buffers) + scatter. On CUDA,
+    each job first waits for the work queued on the submitting stream (the
+    forward pass that wrote the blocks to store; the zeroing of blocks to load
+    into).
+
+    A store that the server refuses (full, unreachable) is logged and reported
+    done: the chunks simply stay uncached. A load that cannot get every block
+    is reported failed -- vLLM 0.33 treats that as fatal rather than compute on
+    garbage.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, client: KVClient, *, blocks_per_chunk: int,
+                 rank: int = 0) -> None:
+        self._client = client
+        self._rank = rank
+        self._bpc = blocks_per_chunk
+        self._transfers: list[PagedKVTransfer | None] = []
+        for refs in kv_caches.group_data_refs:
+            views = [kv_caches.tensors[r.tensor_idx].tensor[:, : r.page_size_bytes] for r in refs]
+            self._transfers.append(PagedKVTransfer(views, blocks_per_chunk, block_dim=0) if views else None)
+        self._device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else torch.device("cpu")
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        self._jobs: dict[int, Future[TransferResult]] = {}
+        self.store_failures = 0  # stores the server refused (for tests and diagnostics)
+
+    # -- the OffloadingWorker API
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KVStoreLoadStoreSpec), type(dst_spec)
+        parts = self._parts(src_spec, dst_spec.keys)
+        self._jobs[job_id] = self._stores.submit(self._store, job_id, parts, self._ready_event())
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        assert isinstance(src_spec, KVStoreLoadStoreSpec), type(src_spec)
+        parts = self._parts(dst_spec, src_spec.keys)
+        self._jobs[job_id] = self._loads.submit(self._load, job_id, parts, self._ready_event())
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done = [job_id for job_id, fut in self._jobs.items() if fut.done()]
+        return [self._jobs.pop(job_id).result() for job_id in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            fut = self._jobs.get(job_id)
+            if fut is not None:
+                fut.result()  # stays in _jobs: get_finished still reports it
+
+    def wait_all(self) -> None:
+        """Wait for every submitted job (they are still reported by :meth:`get_finished`)."""
+        self.wait(set(self._jobs))
+
+    def shutdown(self) -> None:
+        self._stores.shutdown(wait=True)
+        self._loads.shutdown(wait=True)
+        try:
+            self._client.close()
+        except KVStoreError:  # pragma: no cover
+            pass
+
+    # -- planning
+    def _parts(self, gpu: GPULoadStoreSpec, keys: Sequence[bytes]) -> list[_Part]:
+        """Split a transfer by KV-cache group, as vLLM's CPU worker does.
+
+        Group ``g`` has ``group_sizes[g]`` GPU blocks starting at logical block
+        ``block_indices[g]`` of its request, so its first chunk may be entered
+        ``block_indices[g] % blocks_per_chunk`` blocks in; its chunks are the next
+        keys of the spec.
+        """
+        ids: list[int] = gpu.block_ids.tolist()
+        parts: list[_Part] = []
+        k = b = 0
+        for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if size == 0:
+                continue
+            transfer = self._transfers[g]
+            if transfer is None:
+                raise ValueError(f"KV-cache group {g} has no layers to transfer")
+            skip = first % self._bpc
+            n = _cdiv(skip + size, self._bpc)
+            parts.append(_Part(transfer, [store_key(key, self._rank) for key in keys[k : k + n]],
+                               ids[b : b + size], skip))
+            k += n
+            b += size
+        if k != len(keys) or b != len(ids):
+            raise ValueError(f"transfer of {len(ids)} GPU blocks does not match its {len(keys)} chunks")
+        return parts
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        if self._device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    # -- the jobs (on the executor threads)
+    def _store(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> TransferResult:
+        start = time.perf_counter()
+        nbytes = 0
+        try:
+            if ready is not None:
+                ready.synchronize()
+            for part in parts:
+                keys, ids = self._whole_chunks(part)
+                if not keys:
+                    continue
+                payloads = part.transfer.gather(ids)
+                self._client.put(keys, [memoryview(p.numpy()) for p in payloads])
+                nbytes += sum(p.numel() for p in payloads)
+        except KVStoreError as exc:
+            self.store_failures += 1
+            logger.warning("kvstore: store job %d failed, its chunks stay uncached: %s", job_id, exc)
+        except Exception:
+            logger.exception("kvstore: store job %d crashed", job_id)
+            return TransferResult(job_id=job_id, success=False)
+        return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                              transfer_time=time.perf_counter() - start)
+
+    def _whole_chunks(self, part: _Part) -> tuple[list[bytes], list[int]]:
+        """The part's fully covered chunks: a payload is always a whole chunk.
+
+        vLLM stores whole chunks; only windowed groups can leave a chunk partly
+        covered (null blocks outside the window), and such a chunk is skipped.
+        """
+        keys, ids = part.keys, part.block_ids
+        if part.skip:
+            keys, ids = keys[1:], ids[self._bpc - part.skip :]
+        tail = len(ids) % self._bpc
+        if tail:
+            keys, ids = keys[:-1], ids[:-tail]
+        return keys, ids
+
+    def _load(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> TransferResult:
+        start = time.perf_counter()
+        nbytes = 0
+        try:
+            if ready is not None:
+                ready.synchronize()
+            for part in parts:
+                buffers = part.transfer.new_payloads(len(part.keys))
+                found = self._client.get_into(part.keys, [memoryview(b.numpy()) for b in buffers], unpin=True)
+                if not all(found):
+                    logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
+                                 found.count(False), len(found))
+                    return TransferResult(job_id=job_id, success=False)
+                part.transfer.scatter(buffers, part.block_ids, skip=part.skip)
+                nbytes += sum(b.numel() for b in buffers)
+        except Exception:
+            logger.exception("kvstore: load job %d failed", job_id)
+            return TransferResult(job_id=job_id, success=False)
+        return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                              transfer_time=time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+class KVStoreOffloadingSpec(OffloadingSpec):
+    """The ``spec_name`` to give vLLM (``spec_module_path``: ``kvstore.integrations.vllm``).
+
+    Besides vLLM's own entries of ``kv_connector_extra_config`` (``block_size``
+    or ``blocks_per_chunk``, ``offload_prompt_only``, ...) it reads the
+    ``kvstore_*`` ones described by :class:`KVStoreSettings`.
+
+    Raises:
+        ValueError: a ``kvstore_*`` entry is invalid, or ``canonical_layout`` is
+            asked for (chunks are stored in each rank's own layout).
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if config.canonical_layout:
+            raise ValueError("KVStoreOffloadingSpec does not support canonical_layout")
+        self.settings = KVStoreSettings.from_config(config)
+        self._manager: KVStoreOffloadingManager | None = None
+        self._worker: KVStoreOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KVStoreOffloadingManager(
+                self.settings.client(),
+                world_size=self.config.parallel.world_size,
+                groups=self.config.groups,
+                blocks_per_chunk=self.blocks_per_chunk,
+                lease_ms=self.settings.lease_ms,
+                flush_on_reset=self.settings.flush_on_reset,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KVStoreOffloadingWorker(
+                kv_caches,
+                self.settings.client(),
+                blocks_per_chunk=self.blocks_per_chunk,
+                rank=self.config.parallel.rank,
+            )
+        return self._worker

@@ -1,0 +1,632 @@
+"""The block store: blocks in a pre-faulted arena, with capacity, pins and eviction.
+
+Pure and synchronous: no I/O, no asyncio, no logging -- it returns or raises.
+The server drives it from one event loop; it is not thread-safe.
+Contract of the primitives (``ns`` is a namespace string; blocks of different
+namespaces never meet, even under equal key bytes):
+
+- ``reserve(ns, key, size)`` sets ``size`` bytes of pages aside for a block the
+  server is about to receive (``Reservation.views``: writable memoryviews, one
+  ``recv_into`` each). It returns ``None`` when the key is already stored
+  (dedup; the caller discards the payload). It evicts unpinned blocks as
+  needed; when even evicting every evictable block would not make room it
+  raises :class:`CapacityError` and evicts nothing. A reservation is invisible
+  to every read until ``commit``, and is never evicted.
+- ``commit(res, parent)`` publishes the block, or returns ``False`` (pages
+  freed) when another reservation committed the same key first. ``parent`` is
+  the key before it in its chain: the parent->children links let eviction
+  demote a block's descendants when the block goes (they are *stranded*: no
+  prefix lookup can reach them, so they are evicted before anything
+  reachable). ``abort(res)`` frees a reservation whose payload never arrived.
+- ``lookup(ns, keys)`` returns the largest ``m`` with ``keys[:m]`` all stored,
+  touches them as one chain access and, with ``pin=True``, gives each a lease
+  (until ``clock() + lease_s``) that keeps it from eviction.
+- ``acquire`` pins a block for an in-flight read (a reference count) and
+  ``release`` unpins it. ``delete`` and ``flush`` take blocks out of the index
+  at once; their pages return to the arena when the last reader releases them.
+- A block is *pinned* while it has a reader or an unexpired lease. Pinned
+  blocks are never evicted; leases past their time count as gone.
+- A zero-byte block still holds one page, so the page count bounds the number
+  of blocks (and the index's memory).
+
+Chain order: a put batch and a read both go head first, so the store tells the
+policy each block's parent (``EvictionPolicy.add``/``touch``): a block sits in
+the eviction queue just before its parent and a chain loses its tail first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from bisect import bisect_right, insort
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .arena import Arena, Extent
+from .errors import CapacityError, InvalidRequest, TooLarge
+from .eviction import EvictionPolicy, make_policy
+
+#: Longest block key in bytes. Chained hashes are 16-64 bytes; 128 leaves room
+#: for a prefix while keeping a 1,000-key batch's keys well under 1 MiB.
+MAX_KEY_LEN = 128
+
+BlockKey = tuple[str, bytes]  # the policy's key: (namespace, key bytes)
+
+
+def check_key(key: object) -> bytes:
+    """Return ``key`` if it is a valid block key (bytes, 1..128 long).
+
+    Raises:
+        InvalidRequest: anything else.
+    """
+    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_LEN:
+        what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise InvalidRequest(f"a block key must be 1..{MAX_KEY_LEN} bytes, got {what}")
+    return key
+
+
+def _check_ns(ns: object) -> None:
+    if not isinstance(ns, str):
+        raise InvalidRequest(f"a namespace must be a str, got {type(ns).__name__}")
+
+
+def _check_keys(keys: Iterable[object]) -> None:
+    for key in keys:
+        check_key(key)
+
+
+class _Block:
+    """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
+
+    __slots__ = ("pkey", "size", "checksum", "extent", "parent", "children", "refs", "leases", "stranded", "dead")
+
+    def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent) -> None:
+        self.pkey = pkey
+        self.size = size
+        self.checksum = checksum
+        self.extent = extent
+        self.parent: bytes | None = None  # the parent's key, set only while it was present
+        self.children: bytes | set[bytes] | None = None
+        self.refs = 0  # in-flight readers
+        self.leases: list[float] | None = None  # deadlines, soonest first
+        self.stranded = False
+        self.dead = False  # out of the index, pages kept for readers
+
+    @property
+    def pinned(self) -> bool:
+        return self.refs > 0 or self.leases is not None
+
+    def add_child(self, key: bytes) -> None:
+        children = self.children
+        if children is None:
+            self.children = key
+        elif isinstance(children, set):
+            children.add(key)
+        elif children != key:
+            self.children = {children, key}
+
+    def drop_child(self, key: bytes) -> None:
+        children = self.children
+        if isinstance(children, set):
+            children.discard(key)
+        elif children == key:
+            self.children = None
+
+    def child_keys(self) -> Iterable[bytes]:
+        children = self.children
+        if children is None:
+            return ()
+        return (children,) if isinstance(children, bytes) else tuple(children)
+
+
+class Reservation:
+    """Pages set aside for one incoming block; fill ``views`` then commit or abort."""
+
+    __slots__ = ("ns", "key", "size", "checksum", "views", "_extent", "_open")
+
+    def __init__(self, ns: str, key: bytes, size: int, checksum: int, views: list[memoryview], extent: Extent) -> None:
+        self.ns = ns
+        self.key = key
+        self.size = size
+        self.checksum = checksum
+        self.views = views  # writable, exactly ``size`` bytes in total
+        self._extent = extent
+        self._open = True
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"<Reservation {self.ns!r} {self.key.hex()[:16]} {self.size}B {state}>"
+
+
+class BlockRef:
+    """A pinned block being read; ``views`` stay valid until ``release``."""
+
+    __slots__ = ("ns", "key", "size", "checksum", "views", "_block", "_open")
+
+    def __init__(self, ns: str, key: bytes, block: _Block, views: list[memoryview]) -> None:
+        self.ns = ns
+        self.key = key
+        self.size = block.size
+        self.checksum = block.checksum
+        self.views = views  # read-only
+        self._block = block
+        self._open = True
+
+    def __repr__(self) -> str:
+        return f"<BlockRef {self.ns!r} {self.key.hex()[:16]} {self.size}B>"
+
+
+class BlockStore:
+    """Blocks by ``(namespace, key)`` in one arena, evicted by a named policy."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        eviction: str = "lru",
+        page_size: int = 64 * 1024,
+        lease_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        prefault: bool = True,
+        max_block_size: int | None = None,
+    ) -> None:
+        """Map the arena (``capacity`` rounded down to whole pages).
+
+        Raises:
+            ValueError: unknown ``eviction``, non-positive sizes or ``lease_s``.
+        """
+        self._policy: EvictionPolicy[BlockKey] = make_policy(eviction)
+        if not (isinstance(lease_s, (int, float)) and math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        if max_block_size is not None and max_block_size < 0:
+            raise ValueError(f"max_block_size must be >= 0, got {max_block_size}")
+        self._arena = Arena(capacity, page_size, prefault=prefault)
+        self._max_block = self._arena.capacity if max_block_size is None else min(max_block_size, self._arena.capacity)
+        self._lease_s = float(lease_s)
+        self._clock = clock
+        self._blocks: dict[str, dict[bytes, _Block]] = {}
+        self._ns_bytes: dict[str, int] = {}
+        self._lease_heap: list[tuple[float, int, str, bytes]] = []
+        self._lease_seq = itertools.count()
+        # Accounting over indexed blocks (dead blocks kept for readers are not counted).
+        self._count = 0
+        self._payload = 0
+        self._index_pages = 0
+        self._pinned_pages = 0
+        self._pinned_blocks = 0
+        self._leases = 0
+        self._reserved_pages = 0
+        self._events = dict.fromkeys(
+            ("evictions", "evicted_bytes", "stored", "dedup", "lookups", "lookup_hit_keys", "lookup_miss_keys"), 0
+        )
+
+    @property
+    def arena(self) -> Arena:
+        return self._arena
+
+    @property
+    def policy(self) -> EvictionPolicy[BlockKey]:
+        return self._policy
+
+    # -- write path -------------------------------------------------------------
+
+    def reserve(self, ns: str, key: bytes, size: int, checksum: int = 0) -> Reservation | None:
+        """Set pages aside for a block about to be received.
+
+        Returns:
+            The reservation, or ``None`` when ``(ns, key)`` is already stored.
+
+        Raises:
+            InvalidRequest: bad namespace, key or size.
+            TooLarge: ``size`` is over the capacity or ``max_block_size``.
+            CapacityError: no room even after evicting every unpinned block
+                (nothing is evicted then).
+        """
+        _check_ns(ns)
+        check_key(key)
+        self._check_size(size)
+        if self._find(ns, key) is not None:
+            self._events["dedup"] += 1
+            return None
+        pages = self._pages(size)
+        self._make_room(pages)
+        extent = self._arena.alloc(max(size, 1))
+        if extent is None:  # _make_room guarantees the pages
+            raise RuntimeError("arena accounting out of step with the store")
+        self._reserved_pages += pages
+        return Reservation(ns, key, size, checksum, self._arena.views(extent, size), extent)
+
+    def commit(self, res: Reservation, parent: bytes | None = None) -> bool:
+        """Publish a filled reservation.
+
+        Args:
+            parent: the key before this one in its chain (same namespace), if known.
+
+        Returns:
+            True if stored; False if the key was committed meanwhile by another
+            reservation (this one's pages are freed).
+
+        Raises:
+            ValueError: the reservation was already committed or aborted.
+            InvalidRequest: ``parent`` is not a valid key.
+        """
+        if parent is not None:
+            check_key(parent)
+        self._close(res)
+        ns_blocks = self._blocks.get(res.ns)
+        if ns_blocks is not None and res.key in ns_blocks:
+            self._arena.free(res._extent)
+            self._events["dedup"] += 1
+            return False
+        block = _Block((res.ns, res.key), res.size, res.checksum, res._extent)
+        if ns_blocks is None:
+            ns_blocks = self._blocks[res.ns] = {}
+            self._ns_bytes[res.ns] = 0
+        ns_blocks[res.key] = block
+        self._count += 1
+        self._payload += block.size
+        self._index_pages += self._pages(block.size)
+        self._ns_bytes[res.ns] += block.size
+        self._events["stored"] += 1
+        parent_block = ns_blocks.get(parent) if parent is not None and parent != res.key else None
+        if parent_block is None:
+            block.stranded = parent is not None and parent != res.key  # its predecessor is gone
+        else:
+            block.parent = parent_block.pkey[1]
+            parent_block.add_child(res.key)
+            block.stranded = parent_block.stranded
+        self._policy.add(block.pkey, None if parent_block is None else parent_block.pkey)
+        if block.stranded:
+            self._policy.demote(block.pkey)
+        return True
+
+    def abort(self, res: Reservation) -> None:
+        """Free a reservation whose payload never arrived (no-op once closed)."""
+        if res._open:
+            self._close(res)
+            self._arena.free(res._extent)
+
+    def put(
+        self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None
+    ) -> bool:
+        """reserve + copy + commit, for tests and promotion from a lower tier.
+
+        Returns:
+            True if stored, False if the key existed (dedup).
+        """
+        src = memoryview(data).cast("B")
+        res = self.reserve(ns, key, src.nbytes, checksum)
+        if res is None:
+            return False
+        try:
+            offset = 0
+            for view in res.views:
+                view[:] = src[offset : offset + len(view)]
+                offset += len(view)
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(res, parent)
+
+    # -- read path --------------------------------------------------------------
+
+    def lookup(self, ns: str, keys: Sequence[bytes], *, pin: bool = False, lease_s: float | None = None) -> int:
+        """The largest ``m`` such that ``keys[:m]`` are all stored.
+
+        The ``m`` blocks are touched as one chain access; with ``pin`` each gets
+        a lease until ``clock() + lease_s`` (default: the store's ``lease_s``).
+
+        Raises:
+            InvalidRequest: bad namespace, key or ``lease_s``.
+        """
+        _check_ns(ns)
+        _check_keys(keys)
+        deadline = self._deadline(lease_s) if pin else 0.0
+        ns_blocks = self._blocks.get(ns, {})
+        found: list[_Block] = []
+        for key in keys:
+            block = ns_blocks.get(key)
+            if block is None:
+                break
+            if found and (block.stranded or block.parent is None) and block is not found[-1]:
+                self._relink(ns_blocks, block, found[-1])  # reached through it: linked now
+            found.append(block)
+        events = self._events
+        events["lookups"] += 1
+        events["lookup_hit_keys"] += len(found)
+        events["lookup_miss_keys"] += len(keys) - len(found)
+        if found:
+            hint = self._parent_hint(ns_blocks, found[0])
+            for block in found:
+                block.stranded = False  # a lookup just reached it
+            self._policy.touch([block.pkey for block in found], hint)
+            if pin:
+                for block in found:
+                    self._add_lease(block, deadline)
+        return len(found)
+
+    def acquire(self, ns: str, key: bytes) -> BlockRef | None:
+        """Pin a block for an in-flight read, touch it and renew its leases.
+
+        Returns:
+            A reference (read-only ``views``) to pass to ``release``, or None.
+        """
+        _check_ns(ns)
+        check_key(key)
+        ns_blocks = self._blocks.get(ns)
+        block = None if ns_blocks is None else ns_blocks.get(key)
+        if ns_blocks is None or block is None:
+            return None
+        was = block.pinned
+        block.refs += 1
+        if block.leases is not None:
+            self._renew(block)
+        self._repinned(block, was)
+        if not block.stranded:
+            self._policy.touch((block.pkey,), self._parent_hint(ns_blocks, block))
+        views = [view.toreadonly() for view in self._arena.views(block.extent, block.size)]
+        return BlockRef(ns, block.pkey[1], block, views)
+
+    def release(self, ref: BlockRef) -> None:
+        """End a read; a deleted block's pages are freed with its last reader.
+
+        Raises:
+            ValueError: ``ref`` was already released.
+        """
+        if not ref._open:
+            raise ValueError(f"{ref!r} was already released")
+        ref._open = False
+        ref.views = []
+        block = ref._block
+        was = block.pinned
+        block.refs -= 1
+        if not block.dead:
+            self._repinned(block, was)
+        elif block.refs == 0:
+            self._arena.free(block.extent)
+
+    def get(self, ns: str, key: bytes) -> bytes | None:
+        """A copy of a block's bytes, or None (touches it like a read)."""
+        ref = self.acquire(ns, key)
+        if ref is None:
+            return None
+        try:
+            return b"".join(ref.views)
+        finally:
+            self.release(ref)
+
+    def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are stored (no touch)."""
+        _check_ns(ns)
+        _check_keys(keys)
+        ns_blocks = self._blocks.get(ns, {})
+        return [key in ns_blocks for key in keys]
+
+    # -- removal and pins -------------------------------------------------------
+
+    def delete(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Remove blocks from the index now; returns how many were stored."""
+        _check_ns(ns)
+        _check_keys(keys)
+        removed = 0
+        for key in keys:
+            block = self._find(ns, key)
+            if block is not None:
+                self._policy.remove(block.pkey)
+                self._drop(block)
+                removed += 1
+        return removed
+
+    def flush(self, ns: str) -> int:
+        """Delete every block of a namespace; returns how many there were."""
+        _check_ns(ns)
+        blocks = list(self._blocks.get(ns, {}).values())
+        for block in blocks:
+            self._policy.remove(block.pkey)
+            self._drop(block)
+        return len(blocks)
+
+    def unpin(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Drop one lease per key (the soonest-expiring); returns how many were dropped."""
+        _check_ns(ns)
+        _check_keys(keys)
+        self.expire_leases()
+        dropped = 0
+        for key in keys:
+            block = self._find(ns, key)
+            if block is not None and block.leases is not None:
+                self._drop_leases(block, 1)
+                dropped += 1
+        return dropped
+
+    def expire_leases(self) -> int:
+        """Drop every lease past its deadline; returns how many."""
+        now = self._clock()
+        heap = self._lease_heap
+        dropped = 0
+        while heap and heap[0][0] <= now:
+            _, _, ns, key = heapq.heappop(heap)
+            block = self._find(ns, key)  # may be gone, or a newer block under the key
+            if block is not None and block.leases is not None and block.leases[0] <= now:
+                n = bisect_right(block.leases, now)
+                self._drop_leases(block, n)
+                dropped += n
+        return dropped
+
+    # -- introspection ----------------------------------------------------------
+
+    def stats(self) -> dict[str, int | str]:
+        """Counters and gauges as plain ints (``eviction`` is the policy's name)."""
+        self.expire_leases()
+        arena = self._arena
+        return {
+            "blocks": self._count,
+            "bytes": self._payload,
+            "used_bytes": arena.used_bytes,
+            "capacity": arena.capacity,
+            "free_bytes": arena.free_bytes,
+            "reserved_bytes": self._reserved_pages * arena.page_size,
+            "pinned_blocks": self._pinned_blocks,
+            "leases": self._leases,
+            **self._events,
+            "page_size": arena.page_size,
+            "eviction": self._policy.name,
+        }
+
+    def namespaces(self) -> dict[str, dict[str, int]]:
+        """``{ns: {"blocks": n, "bytes": payload}}`` for every non-empty namespace."""
+        return {ns: {"blocks": len(blocks), "bytes": self._ns_bytes[ns]} for ns, blocks in self._blocks.items()}
+
+    # -- internals --------------------------------------------------------------
+
+    def _find(self, ns: str, key: bytes) -> _Block | None:
+        ns_blocks = self._blocks.get(ns)
+        return None if ns_blocks is None else ns_blocks.get(key)
+
+    def _pages(self, size: int) -> int:
+        return max(1, -(-size // self._arena.page_size))
+
+    def _check_size(self, size: object) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidRequest(f"a block size must be an int >= 0, got {size!r}")
+        if size > self._max_block:
+            raise TooLarge(f"block of {size} bytes is over the limit of {self._max_block}")
+
+    def _deadline(self, lease_s: float | None) -> float:
+        if lease_s is None:
+            lease_s = self._lease_s
+        elif isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < math.inf:
+            raise InvalidRequest(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        return self._clock() + lease_s
+
+    def _close(self, res: Reservation) -> None:
+        if not res._open:
+            raise ValueError(f"{res!r} was already committed or aborted")
+        res._open = False
+        res.views = []
+        self._reserved_pages -= self._pages(res.size)
+
+    def _make_room(self, pages: int) -> None:
+        """Evict until ``pages`` are free, or raise CapacityError having evicted nothing."""
+        arena = self._arena
+        if arena.free_pages >= pages:
+            return
+        self.expire_leases()  # expired leases pin nothing
+        evictable = self._index_pages - self._pinned_pages
+        if arena.free_pages + evictable < pages:
+            raise CapacityError(
+                f"need {pages} pages: {arena.free_pages} free, {evictable} evictable, "
+                f"{self._pinned_pages} pinned, {self._reserved_pages} reserved"
+            )
+        while arena.free_pages < pages:
+            pkey = self._policy.evict(self._is_protected)
+            if pkey is None:
+                raise RuntimeError("eviction policy out of step with the store's pin accounting")
+            block = self._blocks[pkey[0]][pkey[1]]
+            self._drop(block)
+            self._events["evictions"] += 1
+            self._events["evicted_bytes"] += block.size
+
+    def _is_protected(self, pkey: BlockKey) -> bool:
+        block = self._blocks[pkey[0]][pkey[1]]
+        return block.refs > 0 or block.leases is not None
+
+    def _drop(self, block: _Block) -> None:
+        """Take a block (already out of the policy) out of the index; free its
+        pages unless a reader holds them; strand its descendants."""
+        ns, key = block.pkey
+        ns_blocks = self._blocks[ns]
+        del ns_blocks[key]
+        pages = self._pages(block.size)
+        if block.pinned:  # it leaves the pinned counts with the index
+            self._pinned_pages -= pages
+            self._pinned_blocks -= 1
+        if block.leases is not None:
+            self._leases -= len(block.leases)
+            block.leases = None
+        self._count -= 1
+        self._payload -= block.size
+        self._index_pages -= pages
+        self._ns_bytes[ns] -= block.size
+        if block.parent is not None and (parent := ns_blocks.get(block.parent)) is not None:
+            parent.drop_child(key)
+        for child_key in block.child_keys():
+            child = ns_blocks.get(child_key)
+            if child is not None:
+                child.parent = None  # links only join present blocks
+        self._strand_descendants(ns_blocks, block)
+        if not ns_blocks:
+            del self._blocks[ns], self._ns_bytes[ns]
+        if block.refs > 0:
+            block.dead = True
+        else:
+            self._arena.free(block.extent)
+
+    def _strand_descendants(self, ns_blocks: dict[bytes, _Block], block: _Block) -> None:
+        """Demote every descendant not yet stranded, deepest first (they leave first)."""
+        stack = list(block.child_keys())
+        stranded: list[_Block] = []
+        while stack:
+            child = ns_blocks.get(stack.pop())
+            if child is None or child.stranded:
+                continue  # a stranded block's descendants are stranded already
+            child.stranded = True
+            stranded.append(child)
+            stack.extend(child.child_keys())
+        for child in reversed(stranded):
+            self._policy.demote(child.pkey)
+
+    def _relink(self, ns_blocks: dict[bytes, _Block], block: _Block, parent: _Block) -> None:
+        """Make ``parent`` the block's parent (a lookup reached it through it)."""
+        old = block.parent
+        if old is not None and old != parent.pkey[1] and (old_parent := ns_blocks.get(old)) is not None:
+            old_parent.drop_child(block.pkey[1])
+        block.parent = parent.pkey[1]
+        parent.add_child(block.pkey[1])
+
+    def _parent_hint(self, ns_blocks: dict[bytes, _Block], block: _Block) -> BlockKey | None:
+        """The parent's policy key while the block is reachable through it."""
+        if block.parent is None or block.stranded:
+            return None
+        parent = ns_blocks.get(block.parent)
+        return None if parent is None else parent.pkey
+
+    # -- pins -------------------------------------------------------------------
+
+    def _repinned(self, block: _Block, was: bool) -> None:
+        """Keep the pinned counters in step after a block's refs or leases changed."""
+        now = block.refs > 0 or block.leases is not None
+        if now != was:
+            pages = self._pages(block.size)
+            self._pinned_pages += pages if now else -pages
+            self._pinned_blocks += 1 if now else -1
+
+    def _add_lease(self, block: _Block, deadline: float) -> None:
+        was = block.pinned
+        if block.leases is None:
+            block.leases = [deadline]
+        else:
+            insort(block.leases, deadline)
+        self._leases += 1
+        heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), *block.pkey))
+        self._repinned(block, was)
+
+    def _renew(self, block: _Block) -> None:
+        """Extend the block's leases to at least ``lease_s`` from now (a read started)."""
+        assert block.leases is not None
+        deadline = self._clock() + self._lease_s
+        if block.leases[0] < deadline:
+            block.leases = [max(t, deadline) for t in block.leases]
+            heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), *block.pkey))
+
+    def _drop_leases(self, block: _Block, n: int) -> None:
+        """Drop the block's ``n`` soonest-expiring leases."""
+        assert block.leases is not None
+        was = block.pinned
+        del block.leases[:n]
+        self._leases -= n
+        if not block.leases:
+            block.leases = None
+        self._repinned(block, was)

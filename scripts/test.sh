@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh Debian/Ubuntu machine, then runs it.
+# Idempotent: a second run reuses .venv and installed packages. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || ! command -v openssl >/dev/null; then
+  sudo_ apt-get update -qq
+  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools openssl >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: a CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,293 @@
+"""Prometheus metrics and health checks, served over HTTP on the server's own event loop.
+
+Why a custom collector: the request path already keeps plain-int counters
+(:class:`~kvstore.server.service.Counters`) and the store keeps its own
+(``BlockStore.stats()``); the collector turns them into ``kvstore_*`` metric
+families *at scrape time*, so serving a request costs no metric-library call.
+The one per-request cost is a latency observation: a ``perf_counter`` in the
+connection and :meth:`LatencyHistograms.observe` (a bisect over 16 bounds and
+two additions; prometheus-client's ``Histogram.observe`` takes a lock and
+costs several times that).
+
+Why on the event loop instead of ``prometheus_client.start_http_server``: that
+server runs in a thread, and a scrape would then read dicts the loop is
+mutating. Here a scrape runs between two callbacks and sees one consistent
+state. The listener is a few dozen lines of HTTP/1.0 for three paths:
+
+``/metrics``  the Prometheus text exposition.
+``/healthz``  readiness: 200 ``{"status": "ok"}`` while serving with a healthy
+              backing tier, 503 while draining or while the tier is degraded.
+``/livez``    liveness: 200 whenever the event loop answers. Kubernetes
+              restarts a pod that fails liveness, and a Redis outage is not
+              cured by restarting kvstore, so liveness does not look at the tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from .service import Service
+
+log = logging.getLogger(__name__)
+
+#: Upper bounds (seconds) of the request latency buckets: from a 50 µs in-memory
+#: lookup on loopback to a 10 s multi-GiB transfer or a slow tier call.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0,
+)
+
+#: Tier metrics exist only when the server has a backing tier.
+TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks")
+
+
+class LatencyHistograms:
+    """Per-op latency bucket counts, cheap to update on the request path."""
+
+    __slots__ = ("counts", "sums")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, op: str, seconds: float) -> None:
+        counts = self.counts.get(op)
+        if counts is None:
+            counts = self.counts[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+            self.sums[op] = 0.0
+        counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # first bound >= seconds: Prometheus' "le"
+        self.sums[op] += seconds
+
+    def cumulative(self, op: str) -> list[tuple[str, float]]:
+        """``(le, count)`` pairs as the exposition wants them, ``+Inf`` last."""
+        out, total = [], 0
+        for bound, n in zip((*map(repr, LATENCY_BUCKETS), "+Inf"), self.counts[op]):
+            total += n
+            out.append((bound, float(total)))
+        return out
+
+
+class KVStoreCollector:
+    """Reads the service's snapshot at scrape time and yields the ``kvstore_*`` families."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.service.snapshot()
+        yield InfoMetricFamily("kvstore_build", "kvstore version", value={"version": str(snap["version"])})
+        yield GaugeMetricFamily("kvstore_uptime_seconds", "Seconds since the server started", value=snap["uptime_s"])
+        yield from self._traffic(snap)
+        yield from self._store(snap["store"])
+        yield from self._namespaces(snap["namespaces"])
+        yield from self._connections(snap)
+        yield from _tier(snap.get("tier"))
+        yield self._latency()
+
+    @staticmethod
+    def _traffic(snap: dict[str, Any]) -> Iterator[Metric]:
+        req = CounterMetricFamily("kvstore_requests", "Requests answered, by op", labels=["op"])
+        for op, n in sorted(snap["requests"].items()):
+            req.add_metric([op], n)
+        err = CounterMetricFamily("kvstore_errors", "Requests answered with an error, by op", labels=["op"])
+        for op, n in sorted(snap["errors"].items()):
+            err.add_metric([op], n)
+        yield req
+        yield err
+        yield CounterMetricFamily("kvstore_bytes_in", "Bytes received from clients", value=snap["bytes_in"])
+        yield CounterMetricFamily("kvstore_bytes_out", "Bytes sent to clients", value=snap["bytes_out"])
+
+    @staticmethod
+    def _store(st: dict[str, Any]) -> Iterator[Metric]:
+        gauges = {
+            "blocks": ("kvstore_blocks", "Blocks stored in memory"),
+            "bytes": ("kvstore_stored_bytes", "Payload bytes of the blocks stored in memory"),
+            "capacity": ("kvstore_capacity_bytes", "Bytes of block memory"),
+            "used_bytes": ("kvstore_used_bytes", "Bytes of block memory in use (whole pages, incl. reservations)"),
+            "free_bytes": ("kvstore_free_bytes", "Bytes of block memory free"),
+            "reserved_bytes": ("kvstore_reserved_bytes", "Bytes reserved for PUT payloads still arriving"),
+            "pinned_blocks": ("kvstore_pinned_blocks", "Blocks protected from eviction (leased or being sent)"),
+            "leases": ("kvstore_leases", "Live leases from pinned prefix lookups"),
+        }
+        for field, (name, doc) in gauges.items():
+            if field in st:
+                yield GaugeMetricFamily(name, doc, value=st[field])
+        counters = {
+            "evictions": ("kvstore_evictions", "Blocks evicted to make room"),
+            "evicted_bytes": ("kvstore_evicted_bytes", "Payload bytes evicted"),
+            "stored": ("kvstore_stored_blocks", "Blocks stored (new keys)"),
+            "dedup": ("kvstore_dedup_blocks", "Blocks not stored because their key was present"),
+            "lookups": ("kvstore_lookups", "Prefix lookups"),
+        }
+        for field, (name, doc) in counters.items():
+            if field in st:
+                yield CounterMetricFamily(name, doc, value=st[field])
+        hit, miss = st.get("lookup_hit_keys", 0), st.get("lookup_miss_keys", 0)
+        keys = CounterMetricFamily("kvstore_lookup_keys", "Keys asked by prefix lookups, by result",
+                                   labels=["result"])
+        keys.add_metric(["hit"], hit)
+        keys.add_metric(["miss"], miss)
+        yield keys
+        yield GaugeMetricFamily("kvstore_lookup_prefix_hit_ratio",
+                                "Share of looked-up keys found in memory since start (0 before any lookup)",
+                                value=hit / (hit + miss) if hit + miss else 0.0)
+
+    @staticmethod
+    def _namespaces(namespaces: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily("kvstore_namespace_blocks", "Blocks stored, by namespace", labels=["namespace"])
+        nbytes = GaugeMetricFamily("kvstore_namespace_bytes", "Payload bytes stored, by namespace",
+                                   labels=["namespace"])
+        for ns, st in sorted(namespaces.items()):
+            blocks.add_metric([ns], st["blocks"])
+            nbytes.add_metric([ns], st["bytes"])
+        yield blocks
+        yield nbytes
+
+    @staticmethod
+    def _connections(snap: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvstore_connections", "Open client connections", value=snap["connections"])
+        yield CounterMetricFamily("kvstore_connections_accepted", "Client connections accepted",
+                                  value=snap["connections_total"])
+        yield CounterMetricFamily("kvstore_connections_rejected", "Connections refused over --max-connections",
+                                  value=snap.get("connections_rejected", 0))
+        yield CounterMetricFamily("kvstore_auth_failures", "HELLOs refused for a missing or wrong token",
+                                  value=snap.get("auth_failures", 0))
+        timeouts = CounterMetricFamily("kvstore_connection_timeouts",
+                                       "Connections closed by --idle-timeout or --frame-timeout", labels=["kind"])
+        for kind in ("idle", "frame"):
+            timeouts.add_metric([kind], snap.get("timeouts", {}).get(kind, 0))
+        yield timeouts
+
+    def _latency(self) -> Metric:
+        hist = HistogramMetricFamily("kvstore_request_duration_seconds",
+                                     "Time from a request's first parsed byte to its reply, by op", labels=["op"])
+        lat = self.service.counters.latency
+        for op in sorted(lat.counts):
+            hist.add_metric([op], lat.cumulative(op), sum_value=lat.sums[op])
+        return hist
+
+
+def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
+    yield GaugeMetricFamily("kvstore_tier_enabled", "1 when a backing tier (Redis) is configured",
+                            value=0 if tier is None else 1)
+    if tier is None:
+        return
+    state = str(tier.get("state", "unknown"))
+    yield GaugeMetricFamily("kvstore_tier_up", "1 while the backing tier is healthy", value=int(state == "ok"))
+    info = GaugeMetricFamily("kvstore_tier_state", "The backing tier's state (value 1)", labels=["state", "mode"])
+    info.add_metric([state, str(tier.get("mode", ""))], 1)
+    yield info
+    yield GaugeMetricFamily("kvstore_tier_backlog_bytes", "Write-behind bytes not yet in the tier",
+                            value=tier.get("backlog_bytes", 0))
+    yield GaugeMetricFamily("kvstore_tier_backlog_blocks", "Write-behind blocks not yet in the tier",
+                            value=tier.get("backlog_blocks", 0))
+
+
+def make_registry(service: Service) -> CollectorRegistry:
+    """The kvstore families plus the standard ``process_*`` (RSS, CPU, fds) and ``python_info``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KVStoreCollector(service))  # type: ignore[arg-type]
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
+def health(service: Service, draining: bool) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of ``/healthz``: ready to serve, with a healthy tier if there is one."""
+    tier = service.tier.stats() if service.tier is not None else None
+    tier_state = None if tier is None else str(tier.get("state", "unknown"))
+    if draining:
+        return 503, {"status": "draining", "tier": tier_state}
+    if tier_state is not None and tier_state != "ok":
+        return 503, {"status": "degraded", "tier": tier_state}
+    return 200, {"status": "ok", "tier": tier_state}
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+_MAX_HEAD = 8192
+_READ_TIMEOUT = 5.0
+
+
+class MetricsServer:
+    """A minimal HTTP/1.0 listener for ``/metrics``, ``/healthz`` and ``/livez``.
+
+    Every response closes its connection (Prometheus and kubelet open one per
+    probe); a request head must arrive within 5 s and 8 KiB.
+    """
+
+    def __init__(self, service: Service, host: str, port: int, draining: Callable[[], bool]) -> None:
+        self.service = service
+        self.host = host
+        self.port = port
+        self.draining = draining
+        self.registry = make_registry(service)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        """Listen; returns the bound port (``port=0`` picks a free one)."""
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True,
+                                                  limit=_MAX_HEAD)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method = "GET"
+        try:
+            method, path = await asyncio.wait_for(_read_head(reader), _READ_TIMEOUT)
+            status, ctype, body = self.respond(method, path)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                ConnectionError):
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            writer.write(head if method == "HEAD" else head + body)
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def respond(self, method: str, path: str) -> tuple[int, str, bytes]:
+        """Route one request: (status, content type, body)."""
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"only GET and HEAD\n"
+        route = path.split("?", 1)[0]
+        if route == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if route == "/healthz":
+            status, body = health(self.service, self.draining())
+            return status, "application/json", json.dumps(body).encode() + b"\n"
+        if route == "/livez":
+            return 200, "application/json", b'{"status": "alive"}\n'
+        return 404, "text/plain", b"try /metrics, /healthz or /livez\n"
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[str, str]:
+    """Method and path of the request line; the headers are read and ignored."""
+    line = (await reader.readuntil(b"\n")).decode("latin-1")
+    parts = line.split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        raise ValueError("not an HTTP request line")
+    while (await reader.readuntil(b"\n")).strip():
+        pass
+    return parts[0], parts[1]
+
+
+__all__ = ["LATENCY_BUCKETS", "TIER_METRICS", "KVStoreCollector", "LatencyHistograms", "MetricsServer", "health",
+           "make_registry"]

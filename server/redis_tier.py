@@ -1,0 +1,543 @@
+"""Redis or Redis Cluster as kvstore's backing tier (see ``docs/redis-layout.md``).
+
+Memory answers first; this tier receives every stored block and answers
+memory's misses. Each batch call is one pipelined round trip (one per node in
+a cluster: redis-py's cluster pipeline groups commands by node and sends the
+groups in parallel), never one per key -- LMCache's per-chunk ``EXISTS`` loop
+is the trap (PEERS.md).
+
+Two modes:
+
+* ``write-through``: ``store()`` returns once Redis has every block, so an
+  acknowledged block survives a ``kill -9`` of the server.
+* ``write-behind``: ``store()`` copies the blocks into a queue bounded in
+  bytes (a put waits while it is full) and returns; one task flushes the queue
+  in batches. Queued blocks are served from the queue, so nothing
+  acknowledged is lost while the process lives, and :meth:`RedisTier.close`
+  flushes the queue before exit.
+
+Faults: any Redis failure marks the tier ``degraded`` (logged once on the
+transition, once again on recovery). While degraded no request waits on
+Redis: reads are answered from memory and the queue, write-through puts and
+deletes fail at once with :class:`~kvstore.errors.Unavailable`, and
+:meth:`RedisTier.check_health` (called periodically by the server) probes
+with back-off until Redis answers again; the write-behind queue then drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import xxhash
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+from kvstore.config import ServerConfig
+from kvstore.errors import Unavailable
+
+from .tier import Tier, TierBlock
+
+log = logging.getLogger(__name__)
+
+# -- layout (documented in docs/redis-layout.md; change both together)
+
+KEY_PREFIX = "kvstore:"
+NS_RECORD_PREFIX = "kvstore-ns:"  # outside "kvstore:*", so a scan of blocks meets only strings
+MAGIC = b"KVB"
+LAYOUT_VERSION = 1
+#: magic, layout version, flags (reserved, 0), xxh3-64 of the block as the client computed it
+HEADER = struct.Struct("!3sBIQ")
+HEADER_SIZE = HEADER.size  # 16
+# Namespace characters kept as they are in key names; the rest is %-encoded, so a
+# namespace can never add a ':' (ambiguous names), '{' (a hash tag pinning it to
+# one cluster slot) or a glob character (SCAN MATCH patterns) to a key.
+_NS_SAFE = "/=+,@"
+
+MODES = ("write-through", "write-behind")
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+_BATCH_BLOCKS = 64  # write-behind: blocks per flush round trip
+_BATCH_BYTES = 32 << 20  # ... and bytes; bounded so one round trip stays well under the socket timeout
+_PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
+
+
+def ns_part(ns: str) -> str:
+    """The namespace as it appears in Redis key names."""
+    return quote(ns, safe=_NS_SAFE)
+
+
+def block_key(ns: str, key: bytes) -> str:
+    """``kvstore:<namespace>:<hex key>``: one Redis string per block."""
+    return f"{KEY_PREFIX}{ns_part(ns)}:{key.hex()}"
+
+
+def ns_record_key(ns: str) -> str:
+    """``kvstore-ns:<namespace>``: a hash describing the namespace."""
+    return f"{NS_RECORD_PREFIX}{ns_part(ns)}"
+
+
+def encode_value(data: Iterable[memoryview | bytes], checksum: int) -> bytes:
+    """Header + block bytes: the one copy a Redis value needs (its argument must be one buffer)."""
+    return b"".join([HEADER.pack(MAGIC, LAYOUT_VERSION, 0, checksum), *data])
+
+
+def decode_value(value: bytes) -> tuple[memoryview, int] | None:
+    """``(block, checksum)`` from a stored value; ``None`` if it is not a kvstore block value."""
+    if len(value) < HEADER_SIZE:
+        return None
+    magic, version, _flags, checksum = HEADER.unpack_from(value)
+    if magic != MAGIC or version != LAYOUT_VERSION:
+        return None
+    return memoryview(value)[HEADER_SIZE:], checksum
+
+
+def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
+    """The static fields of a namespace's record: enough for ``HGETALL`` to explain the keys."""
+    return {
+        "namespace": ns,
+        "key_pattern": f"{KEY_PREFIX}{ns_part(ns)}:<hex key>",
+        "segments": json.dumps(ns.split("/")),  # e.g. ["llama3-8b", "bf16", "tp0"]: model, dtype, rank...
+        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, flags u32, xxh3-64 u64 (big-endian)",
+        "ttl_s": str(ttl_s),
+    }
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs and stats."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
+    """``"h1:p1,h2:p2"`` -> ``[("h1", p1), ("h2", p2)]``; raises ``ValueError``."""
+    nodes = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"--redis-cluster wants host:port[,host:port...], got {item!r}")
+        nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
+    if not nodes:
+        raise ValueError("--redis-cluster names no node")
+    return nodes
+
+
+# -- the write-behind queue
+
+
+@dataclass
+class _Item:
+    ns: str
+    key: bytes
+    value: bytes  # header + block, copied out of the arena
+    checksum: int
+    cancelled: bool = False  # deleted while in flight: not to be re-queued
+
+
+@dataclass
+class _WriteQueue:
+    """Acknowledged blocks not yet in Redis, bounded in bytes; readable by key."""
+
+    limit: int
+    waiting: OrderedDict[tuple[str, bytes], _Item] = field(default_factory=OrderedDict)
+    inflight: dict[tuple[str, bytes], _Item] = field(default_factory=dict)
+    nbytes: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    batch_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.inflight)
+
+    def get(self, ns: str, key: bytes) -> _Item | None:
+        return self.waiting.get((ns, key)) or self.inflight.get((ns, key))
+
+    async def put(self, item: _Item) -> None:
+        """Queue ``item``; waits while the queue is full (one item larger than the limit still passes alone)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.nbytes == 0 or self.nbytes + len(item.value) <= self.limit)
+            old = self.waiting.pop((item.ns, item.key), None)
+            if old is not None:
+                self.nbytes -= len(old.value)
+            self.waiting[(item.ns, item.key)] = item
+            self.nbytes += len(item.value)
+            self.changed.notify_all()
+
+    async def take(self) -> list[_Item]:
+        """The oldest blocks, up to a batch, moved in flight (waits for at least one)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: bool(self.waiting))
+            batch: list[_Item] = []
+            size = 0
+            while self.waiting and len(batch) < _BATCH_BLOCKS and (not batch or size < _BATCH_BYTES):
+                k, item = self.waiting.popitem(last=False)
+                self.inflight[k] = item
+                batch.append(item)
+                size += len(item.value)
+            self.batch_done.clear()
+            return batch
+
+    async def finish(self, batch: list[_Item], written: bool) -> None:
+        """Written: forget the batch. Not written: put it back at the head, in order."""
+        async with self.changed:
+            for item in reversed(batch):
+                k = (item.ns, item.key)
+                self.inflight.pop(k, None)
+                if written or item.cancelled or k in self.waiting:
+                    self.nbytes -= len(item.value)
+                else:
+                    self.waiting[k] = item
+                    self.waiting.move_to_end(k, last=False)
+            self.batch_done.set()
+            self.changed.notify_all()
+
+    async def discard(self, match: Any) -> bool:
+        """Drop waiting blocks for which ``match((ns, key))`` holds; True if any is in flight."""
+        async with self.changed:
+            for k in [k for k in self.waiting if match(k)]:
+                self.nbytes -= len(self.waiting.pop(k).value)
+            hit = [item for k, item in self.inflight.items() if match(k)]
+            for item in hit:
+                item.cancelled = True
+            self.changed.notify_all()
+            return bool(hit)
+
+
+# -- the tier
+
+
+class RedisTier(Tier):
+    """Blocks in Redis (``redis.asyncio.Redis``) or a Redis Cluster (``RedisCluster``).
+
+    Args:
+        client: a connected-on-demand redis-py asyncio client.
+        target: where it points (password redacted), for logs and stats.
+        mode: ``"write-through"`` or ``"write-behind"``.
+        queue_bytes: write-behind queue bound.
+        ttl_s: expiry of stored blocks in seconds (0: none).
+        flush_timeout: how long :meth:`close` keeps trying to flush the queue.
+    """
+
+    def __init__(self, client: Redis | RedisCluster, *, target: str, mode: str = "write-through",
+                 queue_bytes: int = 256 << 20, ttl_s: int = 0, flush_timeout: float = 30.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"redis mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.client = client
+        self.cluster = isinstance(client, RedisCluster)
+        self.target = target
+        self.mode = mode
+        self.write_through = mode == "write-through"
+        self.ttl_s = ttl_s
+        self.flush_timeout = flush_timeout
+        self.queue = _WriteQueue(max(1, queue_bytes))
+        self._up = asyncio.Event()  # set while Redis answers
+        self._last_error = ""
+        self._degraded_since: float | None = None
+        self._next_probe = 0.0
+        self._probe_delay = _PROBE_MIN_S
+        self._known_ns: set[str] = set()
+        self._flusher: asyncio.Task[None] | None = None
+        self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
+                         "checksum_mismatches": 0, "failures": 0, "outages": 0}
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> RedisTier | None:
+        """The tier the config asks for, or ``None`` (memory only). Raises ``ValueError`` on bad settings."""
+        if config.redis and config.redis_cluster:
+            raise ValueError("give --redis or --redis-cluster, not both")
+        if not config.redis and not config.redis_cluster:
+            return None
+        timeouts: dict[str, Any] = {
+            "socket_timeout": config.redis_timeout, "socket_connect_timeout": min(1.0, config.redis_timeout),
+            # One quick retry covers a pooled connection that died with a restarted Redis; the
+            # library default (10 retries, jittered back-off to 10 s) would stall requests for minutes.
+            "retry": Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
+        }
+        client: Redis | RedisCluster
+        if config.redis:
+            try:
+                client = Redis.from_url(config.redis, **timeouts)
+            except ValueError as exc:
+                raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {exc}") from None
+            target = redact(config.redis)
+        else:
+            nodes = parse_cluster_nodes(config.redis_cluster or "")
+            client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], max_connections=1024,
+                                  **timeouts)
+            target = "cluster " + ",".join(f"{h}:{p}" for h, p in nodes)
+        return cls(client, target=target, mode=config.redis_mode, queue_bytes=config.redis_queue_bytes,
+                   ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0))
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        """Connect (a Redis that is down only makes the tier start degraded) and start the flusher."""
+        try:
+            await self._ping()
+        except _REDIS_ERRORS as exc:
+            self._mark_down(exc)
+        else:
+            self._mark_up()
+            log.info("redis tier %s: %s, ttl=%ss", self.target, self.mode, self.ttl_s or "none")
+        if not self.write_through:
+            self._flusher = asyncio.create_task(self._flush_loop(), name="redis-write-behind")
+
+    async def close(self) -> None:
+        """Flush the write-behind queue (probing a degraded Redis until ``flush_timeout``), then disconnect."""
+        deadline = time.monotonic() + self.flush_timeout
+        if len(self.queue):
+            log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
+        while len(self.queue) and time.monotonic() < deadline:
+            if self._flusher is None or self._flusher.done():
+                break
+            await self.check_health()
+            await asyncio.sleep(0.05)
+        if len(self.queue):
+            log.error("redis %s unreachable: %d acknowledged write-behind block(s) (%d bytes) were not written",
+                      self.target, len(self.queue), self.queue.nbytes)
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        await self.client.aclose()
+
+    # -- health
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.counters["failures"] += 1
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if self._up.is_set() or self._degraded_since is None:
+            self._up.clear()
+            self._degraded_since = time.time()
+            self._probe_delay = _PROBE_MIN_S
+            self._next_probe = time.monotonic() + self._probe_delay
+            self.counters["outages"] += 1
+            log.warning("redis tier degraded (%s): serving from memory; %s", self.target, self._last_error)
+
+    def _mark_up(self) -> None:
+        if not self._up.is_set():
+            if self._degraded_since is not None:
+                log.warning("redis tier recovered (%s) after %.1fs; %d write-behind block(s) to catch up",
+                            self.target, time.time() - self._degraded_since, len(self.queue))
+            self._degraded_since = None
+            self._up.set()
+
+    async def _ping(self) -> None:
+        if self.cluster:
+            await self.client.ping(target_nodes=RedisCluster.PRIMARIES)  # type: ignore[call-arg]
+        else:
+            await self.client.ping()
+
+    async def check_health(self) -> None:
+        """Probe Redis: notices an outage with no traffic, and a recovery (back-off while degraded)."""
+        now = time.monotonic()
+        if not self._up.is_set() and now < self._next_probe:
+            return
+        try:
+            await self._ping()
+        except _REDIS_ERRORS as exc:
+            self._mark_down(exc)
+            self._probe_delay = min(self._probe_delay * 2, _PROBE_MAX_S)
+            self._next_probe = time.monotonic() + self._probe_delay
+        else:
+            self._mark_up()
+
+    def _unavailable(self) -> Unavailable:
+        return Unavailable(f"redis tier {self.target} is unavailable ({self._last_error}); retrying in the background")
+
+    async def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run commands as one pipeline (one round trip per node); Redis failures become ``Unavailable``."""
+        if not self._up.is_set():
+            raise self._unavailable()
+        pipe = self.client.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        try:
+            return await pipe.execute()  # resets the pipeline whatever happens
+        except _REDIS_ERRORS as exc:
+            self._mark_down(exc)
+            raise self._unavailable() from None
+
+    # -- writes
+
+    def _set_commands(self, items: Sequence[_Item]) -> list[tuple[Any, ...]]:
+        """SET per block, plus the namespace records' hints (HINCRBY) in the same round trip."""
+        ttl = ("EX", self.ttl_s) if self.ttl_s else ()
+        cmds: list[tuple[Any, ...]] = [("SET", block_key(it.ns, it.key), it.value, *ttl) for it in items]
+        per_ns: dict[str, list[int]] = {}
+        for it in items:
+            hint = per_ns.setdefault(it.ns, [0, 0])
+            hint[0] += 1
+            hint[1] += len(it.value) - HEADER_SIZE
+        now = str(int(time.time()))
+        for ns, (n, nbytes) in per_ns.items():
+            rec = ns_record_key(ns)
+            if ns not in self._known_ns:
+                cmds.append(("HSETNX", rec, "created", now))
+                cmds.append(("HSET", rec, *[x for kv in namespace_record(ns, self.ttl_s).items() for x in kv]))
+            cmds += [("HSET", rec, "last_put", now), ("HINCRBY", rec, "blocks_hint", n),
+                     ("HINCRBY", rec, "bytes_hint", nbytes)]
+        return cmds
+
+    async def _write(self, items: Sequence[_Item]) -> None:
+        await self._execute(self._set_commands(items))
+        self._known_ns.update(it.ns for it in items)
+        self.counters["stored_blocks"] += len(items)
+        self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
+
+    async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
+        """Write-through: one pipelined round trip. Write-behind: copy into the queue (waits while full)."""
+        # The views are pinned only while this call runs: copy them out before the first await.
+        items = [_Item(ns, b.key, encode_value(b.data, b.checksum), b.checksum) for b in blocks]
+        if self.write_through:
+            await self._write(items)
+            return
+        for item in items:
+            await self.queue.put(item)
+
+    async def _flush_loop(self) -> None:
+        """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the head."""
+        while True:
+            await self._up.wait()
+            batch = await self.queue.take()
+            try:
+                await self._write(batch)
+            except Unavailable:
+                await self.queue.finish(batch, written=False)
+            except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks
+                log.exception("redis write-behind flush failed; retrying")
+                await self.queue.finish(batch, written=False)
+                await asyncio.sleep(_PROBE_MAX_S)
+            else:
+                await self.queue.finish(batch, written=True)
+
+    # -- reads
+
+    # Wider than Tier.fetch's ``bytes``: a memoryview into the reply saves a copy of every block.
+    async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, int] | None]:  # type: ignore[override]
+        """``(block, checksum)`` per key from the queue or one pipelined round of GETs.
+
+        The block is a ``memoryview`` into the reply (no second copy). While
+        Redis is down only queued blocks are found, which the service treats
+        like a miss.
+        """
+        out: list[tuple[bytes | memoryview, int] | None] = [None] * len(keys)
+        ask: list[int] = []
+        for i, k in enumerate(keys):
+            item = self.queue.get(ns, k) if len(self.queue) else None
+            if item is not None:
+                out[i] = (memoryview(item.value)[HEADER_SIZE:], item.checksum)
+            else:
+                ask.append(i)
+        if ask and self._up.is_set():
+            try:
+                values = await self._execute([("GET", block_key(ns, keys[i])) for i in ask])
+            except Unavailable:
+                values = [None] * len(ask)
+            for i, value in zip(ask, values):
+                out[i] = self._decoded(ns, keys[i], value)
+        return out
+
+    def _decoded(self, ns: str, key: bytes, value: bytes | None) -> tuple[memoryview, int] | None:
+        if value is None:
+            self.counters["fetch_misses"] += 1
+            return None
+        decoded = decode_value(value)
+        if decoded is None:
+            log.warning("redis key %s does not hold a kvstore block value; ignored", block_key(ns, key))
+            return None
+        self.counters["fetched_blocks"] += 1
+        data, checksum = decoded
+        if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
+            # Returned anyway: the client checks the same checksum and reports the corruption.
+            self.counters["checksum_mismatches"] += 1
+            log.warning("redis key %s fails its checksum (corrupted in redis)", block_key(ns, key))
+        return decoded
+
+    async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: queued or in Redis (one pipelined round of EXISTS)."""
+        out = [bool(len(self.queue)) and self.queue.get(ns, k) is not None for k in keys]
+        ask = [i for i, p in enumerate(out) if not p]
+        if ask and self._up.is_set():
+            try:
+                found = await self._execute([("EXISTS", block_key(ns, keys[i])) for i in ask])
+            except Unavailable:
+                found = [0] * len(ask)
+            for i, n in zip(ask, found):
+                out[i] = bool(n)
+        return out
+
+    # -- deletes
+
+    async def _settle(self, match: Any) -> None:
+        """Drop queued blocks; if one is being written, let that write land first, so our DEL comes after."""
+        if await self.queue.discard(match):
+            try:
+                await asyncio.wait_for(self.queue.batch_done.wait(), self.flush_timeout)
+            except asyncio.TimeoutError:
+                raise self._unavailable() from None
+
+    async def delete(self, ns: str, keys: Sequence[bytes]) -> int:
+        """DEL in one round trip; the namespace hint goes down by what was deleted."""
+        wanted = {(ns, k) for k in keys}
+        await self._settle(wanted.__contains__)
+        if not keys:
+            return 0
+        res = await self._execute([("DEL", block_key(ns, k)) for k in keys])
+        n = sum(int(r) for r in res)
+        if n:
+            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -n)])
+        return n
+
+    async def flush(self, ns: str) -> int:
+        """Delete every block of ``ns`` (SCAN MATCH on every master, DEL in pipelined batches) and its record."""
+        await self._settle(lambda k: k[0] == ns)
+        if not self._up.is_set():
+            raise self._unavailable()
+        pattern = f"{KEY_PREFIX}{ns_part(ns)}:*"
+        n = 0
+        batch: list[str] = []
+        try:
+            async for name in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    n += await self._delete_names(batch)
+                    batch = []
+        except _REDIS_ERRORS as exc:
+            self._mark_down(exc)
+            raise self._unavailable() from None
+        n += await self._delete_names(batch)
+        await self._execute([("DEL", ns_record_key(ns))])
+        self._known_ns.discard(ns)
+        return n
+
+    async def _delete_names(self, names: list[str | bytes]) -> int:
+        return sum(int(r) for r in await self._execute([("DEL", name) for name in names])) if names else 0
+
+    # -- introspection
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "backend": "redis-cluster" if self.cluster else "redis",
+            "target": self.target,
+            "state": "ok" if self._up.is_set() else "degraded",
+            "mode": self.mode,
+            "ttl_s": self.ttl_s,
+            "backlog_bytes": self.queue.nbytes,
+            "backlog_blocks": len(self.queue),
+            "queue_limit_bytes": self.queue.limit,
+            "degraded_since": self._degraded_since,
+            "last_error": self._last_error,
+            **self.counters,
+        }

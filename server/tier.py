@@ -1,0 +1,59 @@
+"""The seam behind the in-memory store: a slower, larger, possibly shared tier.
+
+Memory is the first tier and always answers first; a backing tier (Redis,
+Redis Cluster: :mod:`kvstore.server.redis_tier`) is consulted on a miss and
+receives every stored block. The service calls these coroutines; each batch
+call must cost one round trip to the backend (pipelined), not one per key.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class TierBlock:
+    """A block on its way to or from a tier. ``data`` is a list of views that
+    add up to the block (memory pages, pinned by the caller while the call runs)."""
+
+    key: bytes
+    data: Sequence[memoryview | bytes]
+    checksum: int
+    size: int
+
+
+class Tier(ABC):
+    """A backing tier. Failures raise :class:`kvstore.errors.Unavailable`."""
+
+    write_through: bool = True  # False: store() may return before the backend has the blocks
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Flush anything not yet written (write-behind) and disconnect."""
+
+    @abstractmethod
+    async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
+        """Write-through: return once the backend has every block. Write-behind:
+        return once they are queued (waiting while the queue is full)."""
+
+    @abstractmethod
+    async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes, int] | None]:
+        """``(data, checksum)`` per key, ``None`` where absent; one pipelined round trip."""
+
+    @abstractmethod
+    async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    async def delete(self, ns: str, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    async def flush(self, ns: str) -> int: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """At least ``state`` ("ok" | "degraded"), ``mode``, ``backlog_bytes``, ``backlog_blocks``."""

@@ -1,0 +1,276 @@
+"""Eviction policies: LRU and ARC orders, chain order, stranding, protected keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pytest
+
+from kvstore.eviction import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+
+NONE: Callable[[str], bool] = lambda key: False  # noqa: E731 - nothing protected
+
+
+def drain(policy: EvictionPolicy[str], protected: Callable[[str], bool] = NONE) -> list[str]:
+    """Evict until None: the full eviction order."""
+    out: list[str] = []
+    while (key := policy.evict(protected)) is not None:
+        out.append(key)
+    return out
+
+
+def put_chain(policy: EvictionPolicy[str], keys: Iterable[str]) -> None:
+    """Add keys as a put batch does: head first, each with its predecessor as parent."""
+    parent = None
+    for key in keys:
+        policy.add(key, parent)
+        parent = key
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> EvictionPolicy[str]:
+    return make_policy(request.param)
+
+
+# -- registry -------------------------------------------------------------------
+
+
+def test_registry_builds_policies_by_name() -> None:
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("arc"), ARCPolicy)
+    assert {name: cls.name for name, cls in POLICIES.items()} == {"lru": "lru", "arc": "arc"}
+    assert make_policy("lru") is not make_policy("lru")
+
+
+def test_unknown_policy_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="lru.*arc"):
+        make_policy("fifo")
+
+
+# -- contract shared by every policy ---------------------------------------------
+
+
+def test_single_adds_leave_oldest_first(policy: EvictionPolicy[str]) -> None:
+    for key in "abcd":
+        policy.add(key)
+    assert len(policy) == 4 and "c" in policy and "z" not in policy
+    assert drain(policy) == ["a", "b", "c", "d"]
+    assert len(policy) == 0 and policy.evict(NONE) is None
+
+
+def test_put_batch_loses_its_tail_first(policy: EvictionPolicy[str]) -> None:
+    # put [a0 a1 a2], then [b0 b1 b2] -> evicts a2, a1, a0, then b2, b1, b0
+    put_chain(policy, ["a0", "a1", "a2"])
+    put_chain(policy, ["b0", "b1", "b2"])
+    assert drain(policy) == ["a2", "a1", "a0", "b2", "b1", "b0"]
+
+
+def test_touched_chain_is_newest_and_loses_its_tail_first(policy: EvictionPolicy[str]) -> None:
+    for key in ["x", "k0", "k1", "k2", "y"]:
+        policy.add(key)
+    # lookup [k0 k1 k2] -> order x, y, then k2, k1, k0
+    policy.touch(["k0", "k1", "k2"])
+    assert drain(policy) == ["x", "y", "k2", "k1", "k0"]
+
+
+def test_touch_ignores_unknown_keys(policy: EvictionPolicy[str]) -> None:
+    policy.add("a")
+    policy.add("b")
+    policy.touch(["zz", "a", "yy"])
+    assert len(policy) == 2 and "zz" not in policy
+    assert drain(policy) == ["b", "a"]
+
+
+def test_child_goes_just_before_its_parent(policy: EvictionPolicy[str]) -> None:
+    for key in ["p", "x", "y"]:
+        policy.add(key)
+    # c continues p's chain: never worth more than p -> order p's neighbourhood: c, p
+    policy.add("c", parent="p")
+    assert drain(policy) == ["c", "p", "x", "y"]
+
+
+def test_read_with_parent_hint_keeps_chain_order(policy: EvictionPolicy[str]) -> None:
+    put_chain(policy, ["k0", "k1", "k2"])
+    policy.add("other")
+    # get [k0 k1 k2], one key at a time, each after its parent -> k2, k1, k0 newest
+    policy.touch(["k0"])
+    policy.touch(["k1"], parent="k0")
+    policy.touch(["k2"], parent="k1")
+    assert drain(policy) == ["other", "k2", "k1", "k0"]
+
+
+def test_protected_keys_are_skipped_in_place(policy: EvictionPolicy[str]) -> None:
+    for key in "abcd":
+        policy.add(key)
+    pinned = {"a", "c"}
+    assert policy.evict(lambda k: k in pinned) == "b"
+    assert policy.evict(lambda k: k in pinned) == "d"
+    assert policy.evict(lambda k: k in pinned) is None
+    pinned.clear()  # unpinned: still the oldest
+    assert drain(policy) == ["a", "c"]
+
+
+def test_evict_none_changes_nothing(policy: EvictionPolicy[str]) -> None:
+    put_chain(policy, ["a", "b"])
+    policy.add("c")
+    policy.demote("b")
+    assert policy.evict(lambda k: True) is None
+    assert len(policy) == 3
+    assert drain(policy) == ["b", "a", "c"]
+
+
+def test_remove_forgets_the_key(policy: EvictionPolicy[str]) -> None:
+    for key in "abc":
+        policy.add(key)
+    policy.remove("b")
+    policy.remove("never-added")  # ignored
+    assert "b" not in policy and len(policy) == 2
+    assert drain(policy) == ["a", "c"]
+
+
+def test_stranded_keys_leave_before_reachable_ones(policy: EvictionPolicy[str]) -> None:
+    # put [a0 a1 a2 a3], then [b0 b1]; a1 is deleted -> a2, a3 stranded
+    put_chain(policy, ["a0", "a1", "a2", "a3"])
+    put_chain(policy, ["b0", "b1"])
+    policy.remove("a1")
+    policy.demote("a3")
+    policy.demote("a2")
+    policy.demote("nobody")  # ignored
+    assert len(policy) == 5
+    # stranded first (in demotion order), even though a0 is older
+    assert drain(policy) == ["a3", "a2", "a0", "b1", "b0"]
+
+
+def test_touching_a_stranded_key_makes_it_live_again(policy: EvictionPolicy[str]) -> None:
+    for key in "abc":
+        policy.add(key)
+    policy.demote("c")
+    policy.touch(["c"])  # a lookup reached it again
+    assert drain(policy) == ["a", "b", "c"]
+
+
+def test_protected_stranded_key_is_skipped(policy: EvictionPolicy[str]) -> None:
+    for key in "abc":
+        policy.add(key)
+    policy.demote("b")
+    policy.demote("c")
+    assert policy.evict(lambda k: k == "b") == "c"
+    assert policy.evict(lambda k: k == "b") == "a"
+    assert drain(policy) == ["b"]
+
+
+def test_re_adding_a_resident_key_is_a_touch(policy: EvictionPolicy[str]) -> None:
+    for key in "abc":
+        policy.add(key)
+    policy.add("a")
+    assert len(policy) == 3
+    assert drain(policy)[-1] == "a"
+
+
+def test_skipping_pinned_keys_is_not_quadratic(policy: EvictionPolicy[str]) -> None:
+    for i in range(5):
+        policy.add(f"pinned{i}")
+    for i in range(2000):
+        policy.add(f"k{i}")
+    calls = 0
+
+    def protected(key: str) -> bool:
+        nonlocal calls
+        calls += 1
+        return key.startswith("pinned")
+
+    assert len(drain(policy, protected)) == 2000
+    assert calls <= 2000 * 7  # a few pinned keys cost a few checks per eviction
+    assert len(policy) == 5
+
+
+# -- LRU ------------------------------------------------------------------------
+
+
+def test_lru_touch_makes_keys_most_recent() -> None:
+    lru = LRUPolicy[str]()
+    for key in "abcd":
+        lru.add(key)
+    lru.touch(["b"])
+    lru.touch(["a"])
+    assert drain(lru) == ["c", "d", "b", "a"]
+
+
+# -- ARC ------------------------------------------------------------------------
+
+
+def test_arc_evicts_once_seen_keys_before_frequent_ones() -> None:
+    arc = ARCPolicy[str]()
+    for key in "abcd":
+        arc.add(key)
+    arc.touch(["a"])  # a: T2 (seen twice), b c d: T1
+    # p = 0 -> T1 goes first: b, c, d, then a
+    assert drain(arc) == ["b", "c", "d", "a"]
+
+
+def test_arc_resists_a_scan() -> None:
+    arc = ARCPolicy[str]()
+    hot = [f"hot{i}" for i in range(4)]
+    for key in hot:
+        arc.add(key)
+        arc.touch([key])
+    # a long scan of one-time keys, cache of 8 blocks: evict 1 per new key
+    for i in range(50):
+        if len(arc) >= 8:
+            victim = arc.evict(NONE)
+            assert victim is not None and victim.startswith("scan"), victim
+        arc.add(f"scan{i}")
+    assert all(key in arc for key in hot)
+
+
+def test_arc_ghost_hit_in_b1_grows_t1_target() -> None:
+    arc = ARCPolicy[str]()
+    for key in "abcd":
+        arc.add(key)
+    arc.touch(["c", "d"])  # T1 = [a b], T2 = [d c]
+    assert arc.evict(NONE) == "a"  # |T1| = 2 > p = 0: from T1, a goes to ghost B1
+    assert arc.ghosts() == (1, 0) and "a" not in arc
+    arc.add("a")  # ghost hit: recency was undervalued -> p grows, a lands in T2
+    assert arc.p == 1.0 and arc.ghosts() == (0, 0)
+    # T1 = [b] (1 <= p) -> T2 first: d, c (one access, tail first), a (newest); then b
+    assert drain(arc) == ["d", "c", "a", "b"]
+
+
+def test_arc_ghost_hit_in_b2_shrinks_t1_target() -> None:
+    arc = ARCPolicy[str]()
+    for key in "abc":
+        arc.add(key)
+    arc.touch(["a"])
+    arc.p = 2.0  # favour T1 = [b c]: |T1| = 2 is not > p -> evict from T2
+    assert arc.evict(NONE) == "a"
+    assert arc.ghosts() == (0, 1)
+    arc.add("a")  # ghost hit in B2: frequency was undervalued -> p shrinks
+    assert arc.p == 1.0
+    assert arc.evict(NONE) == "b"  # |T1| = 2 > p = 1: T1 first now
+
+
+def test_arc_removed_and_stranded_keys_leave_no_ghost() -> None:
+    arc = ARCPolicy[str]()
+    for key in "abc":
+        arc.add(key)
+    arc.remove("a")
+    arc.demote("b")
+    assert arc.evict(NONE) == "b"
+    assert arc.ghosts() == (0, 0)
+    arc.add("a")
+    arc.add("b")
+    assert arc.p == 0.0  # no ghost hit
+    assert drain(arc) == ["c", "a", "b"]
+
+
+def test_arc_ghost_lists_stay_bounded() -> None:
+    arc = ARCPolicy[str]()
+    for i in range(10):
+        arc.add(f"k{i}")
+    for i in range(10, 1000):  # a cache of 10 blocks under constant churn
+        assert arc.evict(NONE) is not None
+        arc.add(f"k{i}")
+        if i % 3 == 0:
+            arc.touch([f"k{i}"])
+    b1, b2 = arc.ghosts()
+    assert b1 + b2 <= 2 * 10 and len(arc) == 10

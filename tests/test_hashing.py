@@ -1,0 +1,187 @@
+"""Block keys: deterministic across processes, chained, salted by extras, two algorithms."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.engine.hashing import ALGORITHMS, BlockHasher, KeyChain, canonical_bytes, namespace_for
+
+TOKENS = [(i * 7919) % 50000 for i in range(100)]
+
+_CHILD = """
+import json, sys
+from kvstore.engine.hashing import BlockHasher, namespace_for
+tokens = json.loads(sys.argv[1])
+out = {}
+for algo in ("sha256", "xxh3_128"):
+    h = BlockHasher(16, algo=algo, seed="s")
+    out[algo] = [k.hex() for k in h.keys(tokens, extra=("lora", 3, b"mm"))]
+out["ns"] = namespace_for("org/Model-X", "torch.bfloat16", "NHD", 1, 48, tp_size=2)
+out["hash_of_str"] = hash("x")
+print(json.dumps(out))
+"""
+
+
+def _local_keys(tokens: list[int]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for algo in ("sha256", "xxh3_128"):
+        h = BlockHasher(16, algo=algo, seed="s")
+        out[algo] = [k.hex() for k in h.keys(tokens, extra=("lora", 3, b"mm"))]
+    out["ns"] = namespace_for("org/Model-X", "torch.bfloat16", "NHD", 1, 48, tp_size=2)
+    return out
+
+
+def test_same_keys_in_processes_with_different_hash_seeds() -> None:
+    results = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(TOKENS)], env=env, capture_output=True, text=True, check=True
+        )
+        results.append(json.loads(proc.stdout))
+    assert results[0]["hash_of_str"] != results[1]["hash_of_str"]  # the seeds really differ
+    local = _local_keys(TOKENS)
+    for res in results:
+        assert {k: res[k] for k in local} == local
+    assert len(local["sha256"]) == 100 // 16  # type: ignore[arg-type]
+
+
+def test_known_answer() -> None:
+    # The encoding is a contract between hosts and versions: a change here strands stored data.
+    h = BlockHasher(4)
+    keys = h.keys([1, 2, 3, 4, 5, 6, 7, 8])
+    assert keys[0].hex() == KNOWN_SHA256_K0
+    # ... and it is the documented encoding: tag, parent key, int64 LE tokens, encoded extra
+    root = hashlib.sha256(b"kvstore.root.v1\x00" + b"B\x00\x00\x00\x00").digest()
+    assert h.root == root
+    assert keys[0] == hashlib.sha256(b"kvstore.block.v1\x00" + root + struct.pack("<4q", 1, 2, 3, 4) + b"N").digest()
+    assert keys[1] == h.block_key(keys[0], [5, 6, 7, 8])
+    assert BlockHasher(4, algo="xxh3_128").keys([1, 2, 3, 4])[0].hex() == KNOWN_XXH3_K0
+
+
+KNOWN_SHA256_K0 = "22a497408b44d5dcaddde002f38d3b3eae63886dc492b8be2e9e562d3ecb0fb4"
+KNOWN_XXH3_K0 = "970404cb0954e22e5d156b82bfae6c0b"
+
+
+def test_changing_any_token_changes_its_block_and_every_later_key() -> None:
+    h = BlockHasher(8)
+    base = h.keys(TOKENS)
+    for pos in range(0, 96, 5):
+        changed = list(TOKENS)
+        changed[pos] += 1
+        keys = h.keys(changed)
+        block = pos // 8
+        assert keys[:block] == base[:block]
+        assert all(a != b for a, b in zip(keys[block:], base[block:]))
+
+
+def test_shared_prefix_shares_leading_keys_only() -> None:
+    h = BlockHasher(10)
+    a = h.keys(TOKENS[:60])
+    b = h.keys(TOKENS[:35] + [1] * 25)
+    assert a[:3] == b[:3] and a[3] != b[3]
+
+
+def test_partial_block_has_no_key() -> None:
+    h = BlockHasher(16)
+    assert h.keys(TOKENS[:15]) == []
+    assert h.keys(TOKENS[:47]) == h.keys(TOKENS[:32])
+    assert len(h.keys(TOKENS[:48])) == 3
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("lora", 1), ("lora", 2), ["mm", b"\x00" * 32], {"lora": "a"}, "1", 1, b"1", None],
+)
+def test_extra_keys_change_every_key(extra: object) -> None:
+    h = BlockHasher(16)
+    others = [("lora", 1), ("lora", 2), ["mm", b"\x00" * 32], {"lora": "a"}, "1", 1, b"1", None]
+    mine = h.keys(TOKENS, extra=extra)
+    for other in others:
+        if canonical_bytes(other) == canonical_bytes(extra):
+            assert h.keys(TOKENS, extra=other) == mine
+        else:
+            assert all(a != b for a, b in zip(h.keys(TOKENS, extra=other), mine))
+
+
+def test_seed_salts_the_chain() -> None:
+    assert BlockHasher(16, seed="a").keys(TOKENS)[0] != BlockHasher(16, seed="b").keys(TOKENS)[0]
+
+
+def test_algorithms() -> None:
+    sha = BlockHasher(16).keys(TOKENS)
+    xxh = BlockHasher(16, algo="xxh3_128").keys(TOKENS)
+    assert {len(k) for k in sha} == {32} and {len(k) for k in xxh} == {16}
+    assert set(ALGORITHMS) == {"sha256", "xxh3_128"}
+    with pytest.raises(ValueError, match="unknown hash algorithm"):
+        BlockHasher(16, algo="md5")
+    with pytest.raises(ValueError):
+        BlockHasher(0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31), max_size=70),
+    cuts=st.lists(st.integers(0, 70), max_size=6),
+    algo=st.sampled_from(sorted(ALGORITHMS)),
+)
+def test_incremental_chain_equals_one_shot(tokens: list[int], cuts: list[int], algo: str) -> None:
+    h = BlockHasher(7, algo=algo)
+    chain = KeyChain(h, extra="x")
+    got: list[bytes] = []
+    prev = 0
+    for cut in sorted(min(c, len(tokens)) for c in cuts) + [len(tokens)]:
+        got += chain.extend(tokens[prev:cut])
+        prev = cut
+    assert got == chain.keys == h.keys(tokens, extra="x")
+    assert chain.num_tokens == len(tokens) and len(chain) == len(tokens) // 7
+
+
+def test_bad_tokens_and_extras_are_refused() -> None:
+    h = BlockHasher(2)
+    with pytest.raises(ValueError):
+        h.keys([1, 2**63])
+    with pytest.raises(ValueError):
+        h.keys([1, "2"])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        h.block_key(None, [1, 2, 3])
+    with pytest.raises(TypeError):
+        h.keys([1, 2], extra=0.5)
+    chain = h.chain(token_ids=[1])
+    with pytest.raises(ValueError):
+        chain.extend([2, None])  # type: ignore[list-item]
+    assert chain.num_tokens == 1  # unchanged by the refused call
+    assert canonical_bytes(1) != canonical_bytes("1") != canonical_bytes(b"1")
+    assert canonical_bytes(True) != canonical_bytes(1)
+
+
+def test_namespace_is_readable_and_fingerprints_every_field() -> None:
+    base = dict(model="meta-llama/Meta-Llama-3-8B", dtype="torch.bfloat16", kv_layout="NHD", tp_rank=0, block_size=48)
+    ns = namespace_for(**base)  # type: ignore[arg-type]
+    assert re.fullmatch(r"meta-llama-3-8b/bf16/tp0/b48-[0-9a-f]{8}", ns), ns
+    assert namespace_for(**base) == ns  # type: ignore[arg-type]
+    variants = [
+        {"model": "other/Meta-Llama-3-8B"},
+        {"dtype": "float16"},
+        {"kv_layout": "HND"},
+        {"tp_rank": 1},
+        {"block_size": 32},
+    ]
+    seen = {ns}
+    for change in variants:
+        seen.add(namespace_for(**{**base, **change}))  # type: ignore[arg-type]
+    seen.add(namespace_for(**base, tp_size=2))  # type: ignore[arg-type]
+    seen.add(namespace_for(**base, algo="xxh3_128"))  # type: ignore[arg-type]
+    seen.add(namespace_for(**base, revision="abc"))  # type: ignore[arg-type]
+    assert len(seen) == len(variants) + 4
+    assert all(len(s) <= 80 for s in seen)

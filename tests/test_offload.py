@@ -1,0 +1,199 @@
+"""The offload scheduler's decisions, as narrative scenarios (no store: lookup answers are given).
+
+The same behaviour against a real server is in ``test_seed_scenario.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.engine.hashing import BlockHasher
+from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
+
+GPU_BS = 4
+FACTOR = 3
+OFF_BS = GPU_BS * FACTOR  # 12
+
+
+def make() -> OffloadScheduler:
+    return OffloadScheduler(BlockHasher(OFF_BS), GPU_BS)
+
+
+def gpu_blocks(n: int, base: int = 100) -> list[int]:
+    return list(range(base, base + n))
+
+
+def hits(n: int, seen: list[list[bytes]] | None = None):  # noqa: ANN201 - a LookupFn
+    def lookup(keys: list[bytes]) -> int:
+        if seen is not None:
+            seen.append(keys)
+        return min(n, len(keys))
+
+    return lookup
+
+
+def test_stores_full_offloaded_blocks_only_once() -> None:
+    s = make()
+    s.add_request("r", range(30))
+    assert s.num_external_tokens("r", 0, hits(0)) == 0
+    assert s.on_alloc("r", gpu_blocks(8), 0) is None
+    assert s.build_step({"r": 11}) == []  # not one full offloaded block yet
+    (job,) = s.build_step({"r": 30})
+    assert isinstance(job, StoreJob)
+    assert job.keys == tuple(s.keys("r")) and job.first_block == 0
+    assert job.gpu_block_ids == tuple(gpu_blocks(6))
+    assert s.build_step({"r": 30}) == []  # the cursor moved on
+    assert s.on_store_done(job.job_id) == ()  # request still running: nothing to free
+    fin = s.finish_request("r")
+    assert fin.free_now == tuple(gpu_blocks(8)) and fin.stores == ()
+    assert s.pending_jobs == () and s.num_requests == 0
+
+
+@pytest.mark.parametrize("remote_decode", [False, True])
+def test_loaded_prefix_is_skipped_unless_do_remote_decode(remote_decode: bool) -> None:
+    s = make()
+    params = {"do_remote_decode": True} if remote_decode else {"do_remote_decode": False}
+    s.add_request("r", [0] * 24, params)
+    assert s.num_external_tokens("r", 0, hits(1)) == 12
+    load = s.on_alloc("r", gpu_blocks(6), 12)
+    assert isinstance(load, LoadJob)
+    assert load.gpu_block_ids == (100, 101, 102) and load.skip == 0 and load.first_block == 0
+    assert load.keys == tuple(s.keys("r")[:1])
+    assert s.build_step({"r": 24}) == []  # never store while the load is in flight
+    assert s.on_load_done(load.job_id) == ()
+    (store,) = s.build_step({})  # became possible: the request's count was already given
+    if remote_decode:
+        assert store.gpu_block_ids == tuple(gpu_blocks(6)) and store.first_block == 0
+        assert store.keys == tuple(s.keys("r"))
+    else:
+        assert store.gpu_block_ids == (103, 104, 105) and store.first_block == 1
+        assert store.keys == tuple(s.keys("r")[1:])
+
+
+def test_gpu_prefix_hit_inside_an_offloaded_block_loads_the_rest_of_it() -> None:
+    s = make()
+    s.add_request("r", range(40))
+    seen: list[list[bytes]] = []
+    # GPU has 4 blocks (16 tokens): offloaded block 0 fully, block 1 one third
+    n = s.num_external_tokens("r", 16, hits(2, seen))
+    assert seen == [s.keys("r")[1:3]]  # the lookup starts at the first block not fully on GPU
+    assert n == 36 - 16
+    load = s.on_alloc("r", gpu_blocks(10), n)
+    assert load is not None
+    assert load.keys == tuple(s.keys("r")[1:3]) and load.first_block == 1 and load.skip == 1
+    assert load.gpu_block_ids == tuple(gpu_blocks(10)[4:9])
+    s.on_load_done(load.job_id)
+    assert s.build_step({"r": 40}) == []  # 3 full blocks: the cursor is past the loaded ones
+
+
+def test_gpu_hit_covering_everything_needs_no_lookup() -> None:
+    s = make()
+    s.add_request("r", range(30))
+    seen: list[list[bytes]] = []
+    assert s.num_external_tokens("r", 24, hits(5, seen)) == 0
+    assert seen == []
+
+
+def test_async_scheduling_stores_a_block_when_its_last_token_is_known() -> None:
+    """Decode tokens complete block 1; with async scheduling the token id arrives a step late."""
+    s = make()
+    s.add_request("r", range(22))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (first,) = s.build_step({"r": 22})  # prefill: block 0
+    assert first.first_block == 0
+    s.append_tokens("r", [900])  # sampled by the prefill step: 23 tokens known
+    assert s.build_step({"r": 23}) == []
+    # step computing position 23 (token 901 was sampled from it) -- async: 901 not known yet
+    assert s.build_step({"r": 24}) == []
+    s.append_tokens("r", [901])
+    (second,) = s.build_step({"r": 25})  # one step later
+    assert second.first_block == 1 and second.gpu_block_ids == tuple(gpu_blocks(6)[3:6])
+
+
+def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
+    s = make()
+    s.add_request("r", range(23))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (first,) = s.build_step({"r": 24})  # KV of 24 tokens after this step, 23 token ids known
+    assert first.keys == tuple(s.keys("r"))
+    s.append_tokens("r", [7])  # the last sampled token arrives; the request ends
+    fin = s.finish_request("r")
+    (last,) = fin.stores
+    assert last.first_block == 1 and last.gpu_block_ids == (103, 104, 105)
+    # blocks read by the two stores in flight are not free yet
+    assert fin.free_now == ()
+    assert s.on_store_done(first.job_id) == (100, 101, 102)
+    assert s.on_store_done(last.job_id, success=False) == (103, 104, 105)
+    assert s.pending_jobs == () and s.num_requests == 0
+
+
+def test_finish_during_a_load_defers_the_blocks_being_written() -> None:
+    s = make()
+    s.add_request("r", range(30))
+    n = s.num_external_tokens("r", 0, hits(2))
+    load = s.on_alloc("r", gpu_blocks(8), n)
+    assert load is not None
+    fin = s.finish_request("r")  # aborted while loading
+    assert fin.free_now == (106, 107) and fin.stores == ()
+    with pytest.raises(KeyError):
+        s.build_step({"r": 30})
+    assert s.on_load_done(load.job_id) == tuple(gpu_blocks(6))
+    assert s.num_requests == 0
+
+
+def test_failed_load_is_recomputed_and_then_stored() -> None:
+    s = make()
+    s.add_request("r", range(24))
+    n = s.num_external_tokens("r", 0, hits(2))
+    load = s.on_alloc("r", gpu_blocks(6), n)
+    assert load is not None
+    s.on_load_done(load.job_id, success=False)
+    (store,) = s.build_step({"r": 24})  # the engine recomputed everything
+    assert store.first_block == 0 and store.gpu_block_ids == tuple(gpu_blocks(6))
+
+
+def test_blocks_added_later_and_missing_blocks() -> None:
+    s = make()
+    s.add_request("r", range(24))
+    s.on_alloc("r", gpu_blocks(3), 0)
+    with pytest.raises(ValueError, match="GPU blocks"):
+        s.build_step({"r": 24})
+    s.extend_blocks("r", [7, 8, 9])
+    (store,) = s.build_step({"r": 24})
+    assert store.gpu_block_ids == (100, 101, 102, 7, 8, 9)
+
+
+def test_extra_keys_separate_requests() -> None:
+    s = make()
+    s.add_request("a", range(12), extra=("lora", 1))
+    s.add_request("b", range(12), extra=("lora", 2))
+    s.add_request("c", range(12))
+    assert len({s.keys("a")[0], s.keys("b")[0], s.keys("c")[0]}) == 3
+
+
+def test_misuse_is_refused() -> None:
+    s = make()
+    with pytest.raises(ValueError):
+        OffloadScheduler(BlockHasher(10), 4)
+    s.add_request("r", range(24))
+    with pytest.raises(ValueError):
+        s.add_request("r", range(24))
+    with pytest.raises(KeyError):
+        s.build_step({"nope": 1})
+    with pytest.raises(ValueError, match="whole GPU blocks"):
+        s.num_external_tokens("r", 5, hits(0))
+    with pytest.raises(ValueError, match="answered"):
+        s.num_external_tokens("r", 0, lambda keys: 3)
+    s.num_external_tokens("r", 0, hits(1))
+    with pytest.raises(ValueError, match="found offloaded block"):
+        s.on_alloc("r", gpu_blocks(6), 24)  # more than the lookup found
+    with pytest.raises(ValueError, match="found offloaded block"):
+        s.on_alloc("r", gpu_blocks(6), 6)  # not a block boundary
+    load = s.on_alloc("r", gpu_blocks(6), 12)
+    assert load is not None
+    with pytest.raises(ValueError, match="in flight"):
+        s.on_alloc("r", gpu_blocks(6), 0)
+    with pytest.raises(ValueError, match="not a store"):
+        s.on_store_done(load.job_id)

@@ -1,0 +1,246 @@
+"""kvstore-server backed by a real redis-server: modes, read-through, TTL, layout, warm restart, faults.
+
+Every test starts its own redis-server (``redis_fixtures``) and kvstore-server
+processes on free loopback ports, and checks Redis with the real ``redis-cli``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import xxhash
+
+from kvstore.client import AsyncKVClient
+from kvstore.errors import IntegrityError, Unavailable
+from kvstore.server.process import ServerProcess
+from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, ns_record_key
+
+from redis_fixtures import RedisProcess, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
+
+NS = "llama3-8b/bf16/tp0"
+MEM = "16MiB"  # kvstore memory per server: small, so servers start fast
+
+
+def chain(n: int, tag: str) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
+
+
+def blocks(keys: list[bytes], size: int) -> list[bytes]:
+    return [random.Random(k).randbytes(size) for k in keys]
+
+
+async def tier_stats(srv: ServerProcess) -> dict:
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+        return await kv.stats()
+
+
+def in_redis(redis: RedisProcess, ns: str, keys: list[bytes]) -> list[bool]:
+    """Per key: does the block's Redis key exist (asked with redis-cli, one EXISTS per key)."""
+    return [redis.cli("EXISTS", block_key(ns, k)) == "1" for k in keys]
+
+
+def log_count(srv: ServerProcess, text: str) -> int:
+    return sum(text in line for line in srv.log)
+
+
+# ---------------------------------------------------------------- layout, TTL
+
+
+async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisProcess, make_server) -> None:
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-ttl", "300")
+    keys = chain(4, "layout")
+    data = blocks(keys, 64 << 10)
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        assert (await kv.put(keys, data)).stored == 4  # write-through: in Redis once acknowledged
+
+    names = redis_server.cli("--scan", "--pattern", "kvstore:*").split()
+    assert sorted(names) == sorted(f"kvstore:{NS}:{k.hex()}" for k in keys)
+    for k, d in zip(keys, data):
+        name = block_key(NS, k)
+        assert int(redis_server.cli("STRLEN", name)) == HEADER_SIZE + len(d)
+        header = redis_server.cli_bytes("GETRANGE", name, "0", str(HEADER_SIZE - 1))[:HEADER_SIZE]
+        magic, version, flags, checksum = HEADER.unpack(header)
+        assert (magic, version, flags) == (MAGIC, 1, 0)
+        assert checksum == xxhash.xxh3_64_intdigest(d)  # the client's checksum, carried into Redis
+        assert 0 < int(redis_server.cli("TTL", name)) <= 300
+        assert int(redis_server.cli("MEMORY", "USAGE", name)) > len(d)
+
+    record = redis_server.cli("HGETALL", ns_record_key(NS)).split("\n")
+    fields = dict(zip(record[::2], record[1::2]))
+    assert fields["namespace"] == NS and fields["blocks_hint"] == "4" and fields["ttl_s"] == "300"
+    assert fields["segments"] == '["llama3-8b", "bf16", "tp0"]' and int(fields["created"]) > 0
+    assert int(fields["bytes_hint"]) == 4 * (64 << 10)
+
+
+async def test_namespace_with_special_characters_gets_no_hash_tag(redis_server: RedisProcess, make_server) -> None:
+    srv = make_server("--capacity", MEM, env={"KVSTORE_REDIS": redis_server.url})  # the env var works too
+    k = chain(1, "odd")[0]
+    async with AsyncKVClient(srv.addr, namespace="m{x}:y*") as kv:
+        await kv.put([k], [b"v"])
+    [name] = redis_server.cli("--scan", "--pattern", "kvstore:*").split()
+    assert name == f"kvstore:m%7Bx%7D%3Ay%2A:{k.hex()}"  # no '{' (hash tag), ':' or glob left
+
+
+# ---------------------------------------------------------------- read-through, warm restart
+
+
+async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server: RedisProcess) -> None:
+    keys = chain(12, "warm")
+    data = blocks(keys, 100_000)
+    with ServerProcess("--capacity", MEM, "--redis", redis_server.url) as first:
+        async with AsyncKVClient(first.addr, namespace=NS) as kv:
+            assert (await kv.put(keys, data)).stored == 12
+        first.stop(signal.SIGKILL)  # no shutdown at all: only what Redis acknowledged remains
+
+    with ServerProcess("--capacity", MEM, "--redis", redis_server.url) as second:
+        async with AsyncKVClient(second.addr, namespace=NS) as kv:
+            before = await kv.stats()
+            assert before["store"]["blocks"] == 0
+            assert await kv.lookup(keys) == 12  # memory has nothing: the tier extends the prefix
+            got = await kv.get(keys[:8])  # memory misses: one pipelined read-through
+            assert [bytes(g) for g in got] == data[:8]
+            after = await kv.stats()
+            assert after["store"]["blocks"] == 8  # promoted into memory by the GET that missed
+            assert after["namespaces"][NS]["blocks"] == 8
+            assert after["tier"]["fetched_blocks"] == 8 and after["tier"]["state"] == "ok"
+            assert [bytes(g) for g in await kv.get(keys)] == data  # 8 from memory, 4 from Redis
+
+
+async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: RedisProcess, make_server) -> None:
+    keys = chain(2, "corrupt")
+    data = blocks(keys, 4096)
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    async with AsyncKVClient(writer.addr, namespace=NS) as kv:
+        await kv.put(keys, data)
+    other = "A" if data[1][10] != ord("A") else "B"
+    redis_server.cli("SETRANGE", block_key(NS, keys[1]), str(HEADER_SIZE + 10), other)  # one byte changed
+
+    reader = make_server("--capacity", MEM, "--redis", redis_server.url)  # empty memory: reads through
+    async with AsyncKVClient(reader.addr, namespace=NS) as kv:
+        assert bytes((await kv.get(keys[:1]))[0]) == data[0]
+        with pytest.raises(IntegrityError, match="checksum"):
+            await kv.get(keys)
+    reader.wait_log("fails its checksum")
+
+
+async def test_eviction_from_memory_never_deletes_from_redis(redis_server: RedisProcess, make_server) -> None:
+    srv = make_server("--capacity", "4MiB", "--redis", redis_server.url)
+    keys = chain(12, "evict")
+    data = blocks(keys, 1 << 20)
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        for i in range(0, 12, 3):
+            await kv.put(keys[i:i + 3], data[i:i + 3])
+        assert (await kv.stats())["store"]["blocks"] < 12  # memory evicted the oldest
+        assert all(in_redis(redis_server, NS, keys))
+        assert [bytes(g) for g in await kv.get(keys[:2])] == data[:2]  # served back from Redis
+        assert await kv.delete(keys[:1]) == 1  # a DELETE does reach Redis
+    assert in_redis(redis_server, NS, keys[:2]) == [False, True]
+
+
+# ---------------------------------------------------------------- write-behind
+
+
+async def test_write_behind_bounded_queue_waits_then_flushes(make_redis, make_server) -> None:
+    redis = make_redis()
+    redis.stop()  # down first, so the queue fills
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind",
+                      "--redis-queue-bytes", "1MiB")
+    keys = chain(5, "queue")
+    data = blocks(keys, 300_000)
+    async with AsyncKVClient(srv.addr, namespace=NS, timeout=30) as kv:
+        assert (await kv.put(keys[:3], data[:3])).stored == 3  # acknowledged from memory, queued
+        blocked = asyncio.ensure_future(kv.put(keys[3:], data[3:]))  # would pass 1 MiB: waits
+        await asyncio.sleep(0.5)
+        assert not blocked.done()
+        tier = (await kv.stats())["tier"]
+        assert tier["state"] == "degraded" and tier["backlog_blocks"] == 3
+        assert tier["backlog_bytes"] <= tier["queue_limit_bytes"] == 1 << 20
+        redis.start()  # same port: the queue drains, the waiting put goes through
+        assert (await asyncio.wait_for(blocked, 15)).stored == 2
+
+        async def drained() -> bool:
+            return (await kv.stats())["tier"]["backlog_blocks"] == 0
+
+        await eventually(drained, 15, "the write-behind queue to drain")
+    assert all(in_redis(redis, NS, keys))
+
+
+async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -> None:
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind")
+    keys = chain(40, "sigterm")
+    data = blocks(keys, 200_000)
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        redis.stop()  # blocks stay queued while Redis is down...
+        assert (await kv.put(keys, data)).stored == 40
+        assert (await kv.stats())["tier"]["backlog_blocks"] == 40
+    redis.start()
+    assert srv.stop() == 0  # ...and SIGTERM writes them before the process exits
+    assert srv.log and not any("were not written" in line for line in srv.log)
+    assert all(in_redis(redis, NS, keys))
+    assert int(redis.cli("STRLEN", block_key(NS, keys[-1]))) == HEADER_SIZE + 200_000
+
+
+# ---------------------------------------------------------------- faults
+
+
+async def test_redis_down_and_back_under_running_servers(make_redis, make_server) -> None:
+    redis = make_redis(appendonly=True)  # its data survives the restart
+    wt = make_server("--capacity", MEM, "--redis", redis.url)
+    wb = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind")
+    before, during, after = chain(4, "before"), chain(4, "during"), chain(4, "after")
+    payload = {k: v for ks in (before, during, after) for k, v in zip(ks, blocks(ks, 50_000))}
+    async with AsyncKVClient(wt.addr, namespace="wt", retries=0) as a, \
+            AsyncKVClient(wb.addr, namespace="wb", retries=0) as b:
+        for kv in (a, b):
+            await kv.put(before, [payload[k] for k in before])
+        redis.stop()
+
+        async def both_degraded() -> bool:
+            return all((await kv.stats())["tier"]["state"] == "degraded" for kv in (a, b))
+
+        await eventually(both_degraded, 10, "both servers to report the tier degraded")
+        for kv in (a, b):  # memory keeps serving
+            assert await kv.lookup(before) == 4
+            assert [bytes(g) for g in await kv.get(before)] == [payload[k] for k in before]
+        with pytest.raises(Unavailable, match="redis"):
+            await a.put(during, [payload[k] for k in during])  # write-through refuses clearly
+        assert await a.exists(during) == [False] * 4  # and keeps nothing unacknowledged
+        assert (await b.put(during, [payload[k] for k in during])).stored == 4  # write-behind queues
+        assert (await b.stats())["tier"]["backlog_blocks"] == 4
+        with pytest.raises(Unavailable):
+            await a.put(during, [payload[k] for k in during])  # again: still one log line
+
+        redis.start()
+
+        async def both_ok() -> bool:
+            st = [(await kv.stats())["tier"] for kv in (a, b)]
+            return all(s["state"] == "ok" for s in st) and st[1]["backlog_blocks"] == 0
+
+        await eventually(both_ok, 15, "recovery and the write-behind catch-up")
+        assert all(in_redis(redis, "wb", during))  # the backlog reached Redis
+        assert all(in_redis(redis, "wt", before)) and all(in_redis(redis, "wb", before))
+        assert (await a.put(after, [payload[k] for k in after])).stored == 4
+        assert all(in_redis(redis, "wt", after))
+    for srv in (wt, wb):
+        assert log_count(srv, "redis tier degraded") == 1
+        assert log_count(srv, "redis tier recovered") == 1
+
+
+def test_cli_rejects_bad_redis_settings() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "1MiB", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    both = run("--redis", "redis://127.0.0.1:1/0", "--redis-cluster", "127.0.0.1:1")
+    assert both.returncode == 2 and "not both" in both.stderr
+    bad = run("--redis", "http://127.0.0.1:1")
+    assert bad.returncode == 2 and "--redis" in bad.stderr
+    mode = run("--redis-mode", "sometimes")
+    assert mode.returncode == 2 and "invalid choice" in mode.stderr

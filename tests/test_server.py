@@ -1,0 +1,307 @@
+"""A real kvstore-server process on loopback, driven through both clients and raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import BlockSizeError, CapacityError, InvalidRequest, ProtocolError, TransportError
+from kvstore.protocol import HEADER, MAGIC, VERSION, Put, encode
+
+SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+
+
+def key(i: int, tag: str = "") -> bytes:
+    return hashlib.sha256(f"{tag}{i}".encode()).digest()
+
+
+def block(i: int, size: int) -> bytes:
+    return random.Random(i * 7919 + size).randbytes(size)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s >> 10}KiB")
+async def test_async_round_trip(server, size: int) -> None:
+    keys = [key(i, f"a{size}") for i in range(4)]
+    blocks = [block(i, size) for i in range(4)]
+    async with AsyncKVClient(server.addr, namespace="t") as kv:
+        res = await kv.put(keys, blocks)
+        assert (res.stored, res.existed, res.failed) == (4, 0, 0)
+        assert await kv.lookup(keys) == 4
+        got = await kv.get(keys)
+        assert [bytes(g) for g in got] == blocks
+        bufs = [bytearray(size) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [True] * 4
+        assert bufs == blocks
+        again = await kv.put(keys, blocks)  # content-addressed: nothing stored twice
+        assert (again.stored, again.existed) == (0, 4)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s >> 10}KiB")
+def test_sync_round_trip_with_numpy_buffers(server, size: int) -> None:
+    keys = [key(i, f"s{size}") for i in range(3)]
+    arrays = [np.frombuffer(block(i, size), dtype=np.uint8).copy() for i in range(3)]
+    with KVClient(server.addr, namespace="t") as kv:
+        assert kv.put(keys, arrays).stored == 3
+        out = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        assert kv.get_into(keys, out) == [True, True, True]
+        for a, b in zip(arrays, out):
+            np.testing.assert_array_equal(a, b)
+        assert kv.exists(keys + [key(99, "none")]) == [True, True, True, False]
+        assert kv.delete(keys[:2]) == 2
+        assert kv.get(keys) == [None, None, arrays[2].tobytes()]
+
+
+async def test_prefix_lookup_gaps_empty_and_full_chain(server) -> None:
+    chain = [key(i, "chain") for i in range(10)]
+    async with AsyncKVClient(server.addr, namespace="p") as kv:
+        assert await kv.lookup([]) == 0
+        assert await kv.lookup(chain) == 0
+        await kv.put(chain[:4] + chain[5:], [b"x%d" % i for i in range(9)])
+        assert await kv.lookup(chain) == 4  # gap at 4: later blocks cannot be reached
+        assert await kv.lookup(chain[5:]) == 5
+        await kv.put([chain[4]], [b"x"])
+        assert await kv.lookup(chain) == 10
+        assert await kv.lookup(chain, pin=True) == 10
+        assert await kv.unpin(chain) == 10
+        assert await kv.unpin(chain) == 0
+
+
+async def test_namespaces_are_isolated(server) -> None:
+    k = key(1, "ns")
+    async with AsyncKVClient(server.addr, namespace="model-a") as a, \
+            AsyncKVClient(server.addr, namespace="model-b") as b:
+        await a.put([k], [b"from a"])
+        assert await b.lookup([k]) == 0
+        assert await b.get([k]) == [None]
+        await b.put([k], [b"from b"])
+        assert [bytes(x) for x in await a.get([k])] == [b"from a"]
+        assert [bytes(x) for x in await b.get([k])] == [b"from b"]
+        stats = await a.stats()
+        assert stats["namespaces"]["model-a"]["blocks"] == 1
+        assert stats["namespaces"]["model-b"]["blocks"] == 1
+        assert await b.flush() == 1
+        assert await a.lookup([k]) == 1
+
+
+async def test_capacity_error_is_typed_and_carries_partial_outcome(make_server) -> None:
+    srv = make_server("--capacity", "4MiB")
+    keys = [key(i, "cap") for i in range(3)]
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put(keys[:2], [bytes(1 << 20)] * 2)
+        assert await kv.lookup(keys[:2], pin=True) == 2  # leased: eviction may not take them
+        with pytest.raises(CapacityError) as info:
+            await kv.put([keys[2], key(9, "cap")], [bytes(3 << 20), bytes(1 << 20)])
+        assert info.value.result.statuses == ["failed", "stored"]
+        assert await kv.lookup(keys[:2]) == 2  # pinned blocks survived
+        assert isinstance(info.value, kvstore.KVStoreError)
+
+
+async def test_get_into_wrong_size_buffer_is_refused_and_connection_stays_usable(server) -> None:
+    k = key(1, "size")
+    async with AsyncKVClient(server.addr, pool_size=1) as kv:
+        await kv.put([k], [b"a" * 1000])
+        buf = bytearray(999)
+        with pytest.raises(BlockSizeError):
+            await kv.get_into([k], [buf])
+        assert buf == bytearray(999)  # nothing written
+        out = bytearray(1000)
+        assert await kv.get_into([k], [out]) == [True] and out == b"a" * 1000
+        with pytest.raises(InvalidRequest):
+            await kv.get([b""])
+        with pytest.raises(BlockSizeError):
+            await kv.get_into([k], [b"read-only"])
+
+
+async def test_wrong_address_is_a_transport_error() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(TransportError, match="cannot connect"):
+        async with AsyncKVClient(f"127.0.0.1:{port}", retries=0):
+            pass
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+async def test_32_concurrent_clients_mixed_ops_every_byte_verified(make_server) -> None:
+    srv = make_server("--capacity", "256MiB")
+    rng = random.Random(5)
+
+    async def worker(w: int) -> int:
+        checked = 0
+        async with AsyncKVClient(srv.addr, namespace="mix", pool_size=2) as kv:
+            for r in range(6):
+                size = rng.choice([4096, 65536, 300_000])
+                chain = [key(i, f"w{w}r{r}") for i in range(6)]
+                blocks = [hashlib.sha256(k).digest() * (size // 32) for k in chain]
+                await kv.put(chain, blocks)
+                assert await kv.lookup(chain) == 6
+                got = await kv.get(chain[:3])
+                bufs = [bytearray(len(b)) for b in blocks[3:]]
+                assert await kv.get_into(chain[3:], bufs) == [True] * 3
+                for g, b in zip(list(got) + bufs, blocks):
+                    assert bytes(g) == b
+                    checked += len(b)
+        return checked
+
+    totals = await asyncio.wait_for(asyncio.gather(*(worker(w) for w in range(32))), 120)
+    assert all(t > 0 for t in totals)
+    async with AsyncKVClient(srv.addr, namespace="mix") as kv:
+        stats = await kv.stats()
+    assert stats["namespaces"]["mix"]["blocks"] == 32 * 6 * 6
+    assert stats["store"]["used_bytes"] <= stats["store"]["capacity"]
+
+
+async def test_pipelined_requests_on_one_connection(server) -> None:
+    keys = [key(i, "pipe") for i in range(50)]
+    async with AsyncKVClient(server.addr, pool_size=1) as kv:
+        await kv.put(keys, [k * 100 for k in keys])
+        results = await asyncio.gather(*(kv.get([k]) for k in keys), *(kv.lookup(keys[:i]) for i in range(50)))
+        assert [bytes(r[0]) for r in results[:50]] == [k * 100 for k in keys]
+        assert results[50:] == list(range(50))
+        assert len(kv.nodes[0].conns) == 1
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def raw_exchange(addr: tuple[str, int], data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes; read until the server closes the connection."""
+    with socket.create_connection(addr, timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_garbage_and_lying_frames_while_a_good_client_keeps_working(server) -> None:
+    addr = ("127.0.0.1", server.port)
+    k = key(1, "good")
+    payload = block(1, 1 << 20)
+    async with AsyncKVClient(server.addr, namespace="good") as kv:
+        await kv.put([k], [payload])
+        bad_inputs = [
+            b"\x00" * 64,
+            os.urandom(4096),
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"*1\r\n$4\r\nPING\r\n",
+            HEADER.pack(MAGIC, VERSION + 7, 2, 1, 0, 0),
+            HEADER.pack(MAGIC, VERSION, 3, 1, 10, 1 << 62),  # lying payload length
+            HEADER.pack(MAGIC, VERSION, 2, 1, 1 << 31, 0),  # lying meta length
+            HEADER.pack(MAGIC, VERSION, 2, 1, 50, 0) + b"\x81",  # truncated frame
+            b"".join(bytes(b) for b in encode(Put(keys=[b"k"], sizes=[1 << 29]), 3))[:40],  # truncated put
+        ]
+        for data in bad_inputs:
+            answer = await asyncio.to_thread(raw_exchange, addr, data)
+            assert (await kv.get([k]))[0] == payload  # the good client is unaffected
+            if data.startswith(b"GET "):
+                assert answer.startswith(b"HTTP/1.1 400")
+            elif data.startswith(b"*1"):
+                assert answer.startswith(b"-ERR")
+            elif data[:2] == MAGIC and len(data) == 20 and answer:
+                assert answer[:2] == MAGIC  # a framed error reply
+    stats = server.stop()
+    assert stats == 0
+
+
+async def test_a_lying_put_reserves_at_most_one_block_and_keeps_nothing(make_server) -> None:
+    srv = make_server("--capacity", "16MiB")
+    put = Put(keys=[key(i, "lie") for i in range(8)], sizes=[2 << 20] * 8)
+    head = b"".join(bytes(b) for b in encode(put, 1, payload_len=16 << 20))
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(head + b"x" * 1000)  # then stop sending: the server holds one reservation at most
+        async with AsyncKVClient(srv.addr) as kv:
+            st = (await kv.stats())["store"]
+            assert st["reserved_bytes"] <= 2 << 20
+            assert st["blocks"] == 0
+    await asyncio.sleep(0.2)  # the lying client is gone: its reservation is released
+    async with AsyncKVClient(srv.addr) as kv:
+        st = (await kv.stats())["store"]
+        assert st["reserved_bytes"] == 0 and st["blocks"] == 0
+
+
+async def test_client_killed_mid_put_leaves_no_block(server) -> None:
+    k = key(1, "killed")
+    head = b"".join(bytes(b) for b in encode(Put(keys=[k], sizes=[1 << 20]), 1, payload_len=1 << 20))
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(head + b"y" * (512 << 10))
+    await asyncio.sleep(0.2)
+    async with AsyncKVClient(server.addr) as kv:
+        assert await kv.exists([k]) == [False]
+        assert (await kv.stats())["store"]["reserved_bytes"] == 0
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_sigterm_drains_an_in_flight_put_and_exits_zero(make_server) -> None:
+    srv = make_server("--capacity", "64MiB")
+    k = key(1, "drain")
+    data = block(2, 8 << 20)
+    put = b"".join(bytes(b) for b in encode(Put(keys=[k], sizes=[len(data)]), 77, [data]))
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(put[: len(put) // 2])
+        time.sleep(0.2)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.sendall(put[len(put) // 2:])  # the server still takes the rest of the request
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    rid = struct.unpack("!2sBBIIQ", reply[:20])[3]
+    assert reply[:2] == MAGIC and reply[3] == Put.OP | 0x80 and rid == 77
+    assert srv.proc.wait(10) == 0
+    assert any("stopped" in line for line in srv.log)
+
+
+def test_sigint_with_idle_clients_exits_zero(server) -> None:
+    with KVClient(server.addr) as kv:
+        kv.ping()
+        assert server.stop(signal.SIGINT) == 0
+
+
+def test_cli_reads_env_and_rejects_bad_flags() -> None:
+    bad = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--capacity", "lots"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "not a size" in bad.stderr
+    env = {**os.environ, "KVSTORE_EVICTION": "fifo"}
+    bad = subprocess.run([sys.executable, "-m", "kvstore.server.cli"], capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert bad.returncode == 2 and "unknown eviction policy 'fifo'" in bad.stderr
+
+
+def test_env_vars_configure_the_server(make_server) -> None:
+    srv = make_server(env={"KVSTORE_CAPACITY": "8MiB", "KVSTORE_EVICTION": "arc"})
+    with KVClient(srv.addr) as kv:
+        st = kv.stats()["store"]
+    assert st["capacity"] == 8 << 20 and st["eviction"] == "arc"
+
+
+async def test_protocol_error_from_server_reaches_client_as_typed_error(server) -> None:
+    async with AsyncKVClient(server.addr, pool_size=1, retries=0) as kv:
+        conn = kv.nodes[0].conns[0]
+        assert conn.transport is not None
+        conn.transport.write(b"garbage that is not a frame!")
+        with pytest.raises((ProtocolError, TransportError)):
+            await kv.ping()
+        assert await kv.ping() >= 0  # a new connection replaces the broken one

@@ -1,0 +1,590 @@
+"""BlockStore scenarios, in the style of vLLM's kv_offload manager tests.
+
+Blocks are one page (1 KiB) unless said otherwise, so "capacity 4" means four
+blocks. Comments narrate each step: ``# put [4] -> evicts [0]``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from kvstore.errors import CapacityError, InvalidRequest, TooLarge
+from kvstore.store import MAX_KEY_LEN, BlockRef, BlockStore, check_key
+
+PS = 1024
+NS = "model/bf16/tp0"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["lru", "arc"])
+def policy(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make(policy: str, blocks: int, clock: FakeClock | None = None, **kw: object) -> BlockStore:
+    return BlockStore(blocks * PS, eviction=policy, page_size=PS, clock=clock or FakeClock(), **kw)  # type: ignore[arg-type]
+
+
+def k(name: object) -> bytes:
+    return f"key-{name}".encode()
+
+
+def data(name: object, size: int = PS) -> bytes:
+    seed = sum(k(name))
+    return bytes((seed + i) % 256 for i in range(size))
+
+
+def put_batch(store: BlockStore, names: Sequence[object], ns: str = NS, size: int = PS) -> list[bool]:
+    """What the server does for one PUT: reserve, receive, commit with the previous key as parent."""
+    out = []
+    for i, name in enumerate(names):
+        res = store.reserve(ns, k(name), size, checksum=i)
+        if res is None:
+            out.append(False)
+            continue
+        payload = data(name, size)
+        offset = 0
+        for view in res.views:
+            view[:] = payload[offset : offset + len(view)]
+            offset += len(view)
+        out.append(store.commit(res, parent=k(names[i - 1]) if i else None))
+    return out
+
+
+def present(store: BlockStore, names: Sequence[object], ns: str = NS) -> list[object]:
+    return [name for name, ok in zip(names, store.exists(ns, [k(n) for n in names])) if ok]
+
+
+# -- basics ---------------------------------------------------------------------
+
+
+def test_put_get_roundtrip_across_pages(policy: str) -> None:
+    store = make(policy, 8)
+    payload = data("big", 3 * PS + 500)
+    assert store.put(NS, k("big"), payload, checksum=42)
+    assert store.get(NS, k("big")) == payload
+    ref = store.acquire(NS, k("big"))
+    assert ref is not None and (ref.size, ref.checksum) == (len(payload), 42)
+    store.release(ref)
+    stats = store.stats()
+    assert (stats["blocks"], stats["bytes"], stats["used_bytes"], stats["stored"]) == (1, len(payload), 4 * PS, 1)
+    assert store.get(NS, k("missing")) is None and store.acquire(NS, k("missing")) is None
+
+
+def test_zero_byte_block_holds_one_page(policy: str) -> None:
+    store = make(policy, 2)
+    assert store.put(NS, k("empty"), b"")
+    assert store.get(NS, k("empty")) == b""
+    assert store.stats()["used_bytes"] == PS
+
+
+def test_check_key_contract() -> None:
+    assert check_key(b"x") == b"x" and check_key(b"x" * MAX_KEY_LEN) == b"x" * MAX_KEY_LEN
+    for bad in (b"", b"x" * (MAX_KEY_LEN + 1), "text", None, bytearray(b"ab"), 7):
+        with pytest.raises(InvalidRequest):
+            check_key(bad)
+
+
+def test_invalid_requests_are_rejected_before_any_effect(policy: str) -> None:
+    store = make(policy, 4)
+    assert store.put(NS, k(0), data(0))
+    bad_key = b"x" * (MAX_KEY_LEN + 1)
+    calls = [
+        lambda: store.reserve(NS, bad_key, 10),
+        lambda: store.reserve(NS, k(1), -1),
+        lambda: store.reserve(NS, k(1), 1.5),  # type: ignore[arg-type]
+        lambda: store.reserve(b"ns", k(1), 10),  # type: ignore[arg-type]
+        lambda: store.lookup(NS, [k(0), b""]),
+        lambda: store.lookup(NS, [k(0)], pin=True, lease_s=-1),
+        lambda: store.lookup(NS, [k(0)], pin=True, lease_s=float("inf")),
+        lambda: store.exists(NS, [k(0), "k"]),  # type: ignore[list-item]
+        lambda: store.delete(NS, [k(0), bad_key]),
+        lambda: store.unpin(NS, [bad_key]),
+        lambda: store.acquire(NS, b""),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidRequest):
+            call()
+    stats = store.stats()
+    assert store.exists(NS, [k(0)]) == [True]  # the delete with a bad key deleted nothing
+    assert (stats["lookups"], stats["leases"], stats["used_bytes"]) == (0, 0, PS)
+
+
+def test_too_large_and_bad_configuration(policy: str) -> None:
+    store = make(policy, 4, max_block_size=2 * PS)
+    with pytest.raises(TooLarge):
+        store.reserve(NS, k(0), 2 * PS + 1)
+    with pytest.raises(TooLarge):
+        make(policy, 4).reserve(NS, k(0), 4 * PS + 1)
+    with pytest.raises(ValueError, match="lru"):
+        BlockStore(PS, eviction="mru")
+    with pytest.raises(ValueError):
+        BlockStore(PS, lease_s=0)
+
+
+def test_dedup_keeps_the_first_copy(policy: str) -> None:
+    store = make(policy, 4)
+    # put [a] -> stored; put [a] again -> existed, bytes discarded
+    assert store.put(NS, k("a"), data("a"))
+    assert not store.put(NS, k("a"), data("other"))
+    assert store.reserve(NS, k("a"), PS) is None
+    assert store.get(NS, k("a")) == data("a")
+    stats = store.stats()
+    assert (stats["blocks"], stats["stored"], stats["dedup"], stats["used_bytes"]) == (1, 1, 2, PS)
+
+
+def test_namespaces_are_isolated(policy: str) -> None:
+    store = make(policy, 8)
+    assert store.put("A", k(1), b"in A")
+    assert store.put("B", k(1), b"in B!")  # same key bytes, another block
+    assert (store.get("A", k(1)), store.get("B", k(1))) == (b"in A", b"in B!")
+    assert store.lookup("C", [k(1)]) == 0
+    assert store.delete("A", [k(1)]) == 1
+    assert store.exists("A", [k(1)]) == [False] and store.exists("B", [k(1)]) == [True]
+    assert store.namespaces() == {"B": {"blocks": 1, "bytes": 5}}
+
+
+def test_flush_empties_one_namespace(policy: str) -> None:
+    store = make(policy, 8)
+    put_batch(store, [0, 1, 2], ns="A")
+    put_batch(store, [0, 1], ns="B")
+    assert store.namespaces() == {"A": {"blocks": 3, "bytes": 3 * PS}, "B": {"blocks": 2, "bytes": 2 * PS}}
+    assert store.flush("A") == 3 and store.flush("A") == 0
+    assert store.namespaces() == {"B": {"blocks": 2, "bytes": 2 * PS}}
+    assert store.stats()["used_bytes"] == 2 * PS
+
+
+def test_lookup_returns_the_present_prefix(policy: str) -> None:
+    store = make(policy, 8)
+    put_batch(store, [0, 1, 2, 4])
+    # lookup [0 1 2 3 4] -> 3 (3 is missing, so 4 cannot count)
+    assert store.lookup(NS, [k(i) for i in range(5)]) == 3
+    assert store.lookup(NS, [k(9), k(0)]) == 0
+    assert store.lookup(NS, []) == 0
+    stats = store.stats()
+    assert (stats["lookups"], stats["lookup_hit_keys"], stats["lookup_miss_keys"]) == (3, 3, 4)
+
+
+def test_stats_are_plain_ints(policy: str) -> None:
+    store = make(policy, 4)
+    stats = store.stats()
+    assert stats.pop("eviction") == policy
+    expected = {
+        "blocks", "bytes", "used_bytes", "capacity", "free_bytes", "reserved_bytes", "pinned_blocks", "leases",
+        "evictions", "evicted_bytes", "stored", "dedup", "lookups", "lookup_hit_keys", "lookup_miss_keys", "page_size",
+    }  # fmt: skip
+    assert set(stats) == expected
+    assert all(type(v) is int for v in stats.values())
+    assert (stats["capacity"], stats["free_bytes"], stats["page_size"]) == (4 * PS, 4 * PS, PS)
+
+
+# -- the write path ---------------------------------------------------------------
+
+
+def test_reservation_is_invisible_until_commit(policy: str) -> None:
+    store = make(policy, 4)
+    res = store.reserve(NS, k(0), 2 * PS - 1)
+    assert res is not None and sum(len(v) for v in res.views) == 2 * PS - 1
+    assert all(not v.readonly for v in res.views)
+    assert store.exists(NS, [k(0)]) == [False]
+    assert store.lookup(NS, [k(0)]) == 0 and store.get(NS, k(0)) is None
+    assert store.stats()["reserved_bytes"] == 2 * PS and store.stats()["used_bytes"] == 2 * PS
+    res.views[0][:3] = b"abc"
+    assert store.commit(res)
+    assert store.get(NS, k(0))[:3] == b"abc"  # type: ignore[index]
+    assert store.stats()["reserved_bytes"] == 0
+    with pytest.raises(ValueError):
+        store.commit(res)
+
+
+def test_racing_reservations_first_commit_wins(policy: str) -> None:
+    store = make(policy, 4)
+    # two clients put [a] at once: both reserve, the first commit stores it
+    first = store.reserve(NS, k("a"), PS)
+    second = store.reserve(NS, k("a"), PS)
+    assert first is not None and second is not None
+    first.views[0][:] = b"1" * PS
+    second.views[0][:] = b"2" * PS
+    assert store.stats()["used_bytes"] == 2 * PS
+    assert store.commit(second)
+    assert not store.commit(first)  # the loser's pages are freed
+    assert store.get(NS, k("a")) == b"2" * PS
+    stats = store.stats()
+    assert (stats["used_bytes"], stats["blocks"], stats["dedup"]) == (PS, 1, 1)
+
+
+def test_abort_frees_and_closes(policy: str) -> None:
+    store = make(policy, 4)
+    res = store.reserve(NS, k(0), 3 * PS)
+    assert res is not None and store.stats()["free_bytes"] == PS
+    store.abort(res)
+    store.abort(res)  # idempotent, safe in a finally block
+    assert store.stats()["free_bytes"] == 4 * PS and store.exists(NS, [k(0)]) == [False]
+    with pytest.raises(ValueError):
+        store.commit(res)
+
+
+def test_reservations_are_never_evicted(policy: str) -> None:
+    store = make(policy, 4)
+    held = store.reserve(NS, k("incoming"), 3 * PS)
+    assert held is not None
+    put_batch(store, [0])
+    # put [1] -> evicts [0]; the reservation stays
+    assert put_batch(store, [1]) == [True]
+    assert present(store, [0, 1]) == [1]
+    with pytest.raises(CapacityError):  # 1 free + 1 evictable < 2
+        store.reserve(NS, k(2), 2 * PS)
+    assert store.commit(held)
+
+
+def test_put_of_a_non_byte_buffer(policy: str) -> None:
+    store = make(policy, 4)
+    words = memoryview(bytearray(range(16))).cast("I")
+    assert store.put(NS, k(0), words)
+    assert store.get(NS, k(0)) == bytes(range(16))
+
+
+# -- eviction -------------------------------------------------------------------
+
+
+def test_least_recent_block_goes_first(policy: str) -> None:
+    store = make(policy, 4)
+    for i in range(4):  # put [0] [1] [2] [3], separate requests
+        put_batch(store, [i])
+    # put [4] -> evicts [0]
+    put_batch(store, [4])
+    assert present(store, range(5)) == [1, 2, 3, 4]
+    # get [1]; put [5] -> evicts [2]
+    assert store.get(NS, k(1)) is not None
+    put_batch(store, [5])
+    assert present(store, range(6)) == [1, 3, 4, 5]
+    stats = store.stats()
+    assert (stats["evictions"], stats["evicted_bytes"], stats["used_bytes"]) == (2, 2 * PS, 4 * PS)
+
+
+def test_put_batch_loses_its_tail_first(policy: str) -> None:
+    store = make(policy, 6)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["b0", "b1", "b2"])
+    # put [c0] -> evicts [a2]: chain a keeps a usable prefix
+    put_batch(store, ["c0"])
+    assert store.lookup(NS, [k("a0"), k("a1"), k("a2")]) == 2
+    # that lookup made a newest; put [c1] -> evicts [b2], put [c2] -> evicts [b1]
+    put_batch(store, ["c1"])
+    put_batch(store, ["c2"])
+    assert present(store, ["b0", "b1", "b2"]) == ["b0"]
+
+
+def test_get_batch_touches_the_chain_as_one(policy: str) -> None:
+    store = make(policy, 5)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["x", "y"])
+    for name in ["a0", "a1", "a2"]:  # a GET reads the chain head first, one block at a time
+        assert store.get(NS, k(name)) is not None
+    # put [z] -> evicts [y] (tail of the older x,y chain); put [w] -> evicts [x]; then [a2]
+    put_batch(store, ["z"])
+    put_batch(store, ["w"])
+    assert present(store, ["x", "y", "a0", "a1", "a2"]) == ["a0", "a1", "a2"]
+    # put [v] -> LRU evicts [a2], the chain's tail; ARC keeps the re-read chain in T2 and evicts [z]
+    put_batch(store, ["v"])
+    expected = {"lru": ["a0", "a1", "z"], "arc": ["a0", "a1", "a2"]}[policy]
+    assert present(store, ["a0", "a1", "a2", "z"]) == expected
+
+
+def test_stranded_tails_go_before_reachable_blocks(policy: str) -> None:
+    store = make(policy, 6)
+    put_batch(store, ["old0", "old1"])
+    put_batch(store, ["a0", "a1", "a2", "a3"])
+    # delete [a1] -> a2, a3 can never be reached by a lookup again
+    assert store.delete(NS, [k("a1")]) == 1
+    assert store.lookup(NS, [k(n) for n in ["a0", "a1", "a2", "a3"]]) == 1
+    # put [n0 n1 n2] -> n0 takes a1's page, then evicts [a3] and [a2], although old0/old1 are older
+    put_batch(store, ["n0", "n1", "n2"])
+    assert present(store, ["old0", "old1", "a0", "a2", "a3"]) == ["old0", "old1", "a0"]
+    assert store.stats()["evictions"] == 2
+
+
+def test_evicted_head_strands_its_chain(policy: str) -> None:
+    store = make(policy, 5)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["b0", "b1"])
+    refs = [store.acquire(NS, k(n)) for n in ["a1", "a2", "b0", "b1"]]  # readers pin all but a0
+    # put [c0] -> evicts [a0] (the only unpinned block); a1, a2 are stranded now
+    put_batch(store, ["c0"])
+    assert present(store, ["a0", "a1", "a2"]) == ["a1", "a2"]
+    for ref in refs:
+        assert ref is not None
+        store.release(ref)
+    # put [d0] -> evicts [a2], put [d1] -> evicts [a1]: stranded first, b stays
+    put_batch(store, ["d0"])
+    put_batch(store, ["d1"])
+    assert present(store, ["a1", "a2", "b0", "b1", "c0"]) == ["b0", "b1", "c0"]
+
+
+def test_lookup_through_a_restored_head_makes_the_tail_reachable_again(policy: str) -> None:
+    store = make(policy, 5)
+    put_batch(store, ["a0", "a1", "a2"])
+    store.delete(NS, [k("a0")])  # a1, a2 stranded
+    put_batch(store, ["a0"])  # promoted back from a lower tier, alone
+    put_batch(store, ["x0", "x1"])
+    assert store.lookup(NS, [k("a0"), k("a1"), k("a2")]) == 3  # reached again: live, relinked
+    # put [y0] -> evicts [x1], the older chain's tail; stranded a2 would have gone first
+    put_batch(store, ["y0"])
+    assert present(store, ["a0", "a1", "a2", "x0", "x1"]) == ["a0", "a1", "a2", "x0"]
+    # the relinked chain strands again when its head goes
+    store.delete(NS, [k("a0")])
+    # put [y1] -> a0's page; put [y2] -> evicts [a2], although the a chain is newer than x0
+    put_batch(store, ["y1"])
+    put_batch(store, ["y2"])
+    assert present(store, ["a1", "a2", "x0", "y0", "y1", "y2"]) == ["a1", "x0", "y0", "y1", "y2"]
+
+
+# -- pins and leases --------------------------------------------------------------
+
+
+def test_pinned_blocks_survive_eviction(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock)
+    put_batch(store, [0, 1])
+    put_batch(store, [2, 3])
+    # lookup [0 1] with pin -> leased; put [4 5] -> evicts [3 2], never [0 1]
+    assert store.lookup(NS, [k(0), k(1)], pin=True) == 2
+    put_batch(store, [4, 5])
+    assert present(store, range(6)) == [0, 1, 4, 5]
+    stats = store.stats()
+    assert (stats["pinned_blocks"], stats["leases"]) == (2, 2)
+
+
+def test_lease_expiry_releases_the_pin(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 2, clock, lease_s=10.0)
+    put_batch(store, [0, 1])
+    assert store.lookup(NS, [k(0), k(1)], pin=True) == 2
+    clock.now = 9.9
+    with pytest.raises(CapacityError):  # both pinned
+        put_batch(store, [2])
+    assert present(store, [0, 1]) == [0, 1]
+    clock.now = 10.0  # leases expire at clock() + lease_s; eviction sees them as gone
+    assert put_batch(store, [2]) == [True]
+    assert store.stats()["leases"] == 0 and store.stats()["pinned_blocks"] == 0
+
+
+def test_expire_leases_counts_what_it_drops(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock, lease_s=10.0)
+    put_batch(store, [0, 1])
+    store.lookup(NS, [k(0), k(1)], pin=True)
+    store.lookup(NS, [k(0)], pin=True, lease_s=3.0)
+    assert store.stats()["leases"] == 3
+    clock.now = 5.0
+    assert store.expire_leases() == 1
+    clock.now = 11.0
+    assert store.expire_leases() == 2
+    assert store.expire_leases() == 0 and store.stats()["pinned_blocks"] == 0
+
+
+def test_unpin_drops_the_soonest_lease(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 2, clock)
+    put_batch(store, [0, 1])
+    store.lookup(NS, [k(0)], pin=True, lease_s=100.0)
+    store.lookup(NS, [k(0)], pin=True, lease_s=5.0)
+    # unpin [0 1] -> drops the 5 s lease of 0; 1 had none
+    assert store.unpin(NS, [k(0), k(1), k("nope")]) == 1
+    clock.now = 50.0
+    with pytest.raises(CapacityError):  # 0 still leased (100 s), and 1 + 2 pages needed
+        store.reserve(NS, k(2), 2 * PS)
+    assert store.unpin(NS, [k(0)]) == 1 and store.unpin(NS, [k(0)]) == 0
+    assert store.reserve(NS, k(2), 2 * PS) is not None
+
+
+def test_acquire_pins_until_release_and_renews_leases(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 2, clock, lease_s=10.0)
+    put_batch(store, [0])
+    put_batch(store, [1])
+    ref = store.acquire(NS, k(0))
+    assert ref is not None and store.stats()["pinned_blocks"] == 1
+    # put [2] -> evicts [1], never the block being read
+    put_batch(store, [2])
+    assert present(store, [0, 1, 2]) == [0, 2]
+    store.release(ref)
+    with pytest.raises(ValueError):
+        store.release(ref)
+    assert store.stats()["pinned_blocks"] == 0
+    # a lease from t=0 is renewed by a read at t=8: still pinned at t=15
+    store.lookup(NS, [k(2)], pin=True)
+    clock.now = 8.0
+    ref = store.acquire(NS, k(2))
+    assert ref is not None
+    store.release(ref)
+    clock.now = 15.0
+    put_batch(store, [3])  # evicts [0]
+    assert present(store, [0, 2, 3]) == [2, 3]
+    clock.now = 18.0
+    put_batch(store, [4], size=2 * PS)  # the renewed lease is over: [2] may go too
+    assert present(store, [2, 3, 4]) == [4]
+
+
+def test_block_ref_views_are_read_only(policy: str) -> None:
+    store = make(policy, 4)
+    payload = data(0, 2 * PS + 7)
+    store.put(NS, k(0), payload)
+    ref = store.acquire(NS, k(0))
+    assert isinstance(ref, BlockRef) and b"".join(ref.views) == payload
+    with pytest.raises(TypeError):
+        ref.views[0][0] = 1
+    store.release(ref)
+
+
+def test_delete_while_acquired_keeps_pages_until_release(policy: str) -> None:
+    store = make(policy, 3)
+    put_batch(store, [0])
+    ref = store.acquire(NS, k(0))
+    assert ref is not None
+    # delete [0] -> gone from the index at once, pages kept for the reader
+    assert store.delete(NS, [k(0)]) == 1
+    assert store.get(NS, k(0)) is None and store.exists(NS, [k(0)]) == [False]
+    stats = store.stats()
+    assert (stats["blocks"], stats["used_bytes"], stats["pinned_blocks"]) == (0, PS, 0)
+    with pytest.raises(CapacityError):  # its page is not reusable yet
+        store.reserve(NS, k(1), 3 * PS)
+    put_batch(store, [1, 2])
+    assert b"".join(ref.views) == data(0)  # the reader's bytes are intact
+    store.release(ref)
+    assert store.stats()["used_bytes"] == 2 * PS
+    assert put_batch(store, [3]) == [True] and store.stats()["evictions"] == 0
+
+
+# -- capacity -------------------------------------------------------------------
+
+
+def test_capacity_error_changes_nothing(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock)
+    put_batch(store, [0, 1, 2, 3])
+    store.lookup(NS, [k(0), k(1)], pin=True)
+    before = (store.exists(NS, [k(i) for i in range(4)]), store.stats())
+    # put a 3-page block -> 2 evictable pages only -> CapacityError, nothing evicted
+    with pytest.raises(CapacityError):
+        store.reserve(NS, k("big"), 3 * PS)
+    assert (store.exists(NS, [k(i) for i in range(4)]), store.stats()) == before
+
+
+def test_partial_batch_stops_at_capacity(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 8, clock)
+    put_batch(store, [0, 1, 2, 3, 4, 5])
+    store.lookup(NS, [k(i) for i in range(6)], pin=True)  # six pages pinned
+    # put [x (1 page), y (3 pages)] -> x stored, y: 1 free + 1 evictable < 3
+    assert put_batch(store, ["x"]) == [True]
+    with pytest.raises(CapacityError):
+        put_batch(store, ["y"], size=3 * PS)
+    assert present(store, ["x", "y"]) == ["x"]
+    stats = store.stats()
+    assert (stats["blocks"], stats["evictions"], stats["used_bytes"]) == (7, 0, 7 * PS)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    clock = FakeClock()
+    store = BlockStore(32 * PS, eviction=policy, page_size=PS, lease_s=5.0, clock=clock)
+    namespaces = ["A", "B"]
+    pool = [k(i) for i in range(30)]
+    contents: dict[tuple[str, bytes], tuple[bytes, int]] = {}  # last stored bytes and generation
+    leases: dict[tuple[str, bytes], list[float]] = {}
+    refs: list[tuple[BlockRef, str, bytes, bytes, int]] = []
+    generation = 0
+
+    def pages(size: int) -> int:
+        return max(1, -(-size // PS))
+
+    def check() -> None:
+        nonlocal leases
+        stats = store.stats()
+        live = {(ns, key) for ns in namespaces for key, ok in zip(pool, store.exists(ns, pool)) if ok}
+        leases = {nk: [t for t in ts if t > clock.now] for nk, ts in leases.items()}
+        leases = {nk: ts for nk, ts in leases.items() if ts and nk in live}
+        readers = {(ns, key) for _, ns, key, _, gen in refs if contents[ns, key][1] == gen and (ns, key) in live}
+        zombies = {(ns, key, gen) for _, ns, key, _, gen in refs if (ns, key) not in readers}
+        assert leases.keys() | readers <= live  # pinned blocks are never evicted
+        used = sum(pages(len(contents[nk][0])) for nk in live)
+        used += sum(pages(len(b)) for b in {(n, kk, g): d for _, n, kk, d, g in refs if (n, kk, g) in zombies}.values())
+        assert stats["used_bytes"] == used * PS <= stats["capacity"]
+        assert stats["blocks"] == len(live) == len(store.policy)
+        assert stats["bytes"] == sum(len(contents[nk][0]) for nk in live)
+        assert stats["pinned_blocks"] == len(leases.keys() | readers)
+        assert stats["leases"] == sum(len(ts) for ts in leases.values())
+        assert stats["reserved_bytes"] == 0
+        for ns, key in rng.sample(sorted(live), min(4, len(live))):
+            assert store.get(ns, key) == contents[ns, key][0]
+            renew(ns, key)
+
+    def renew(ns: str, key: bytes) -> None:  # a read extends the block's leases
+        if (ns, key) in leases:
+            leases[ns, key] = [max(t, clock.now + 5.0) for t in leases[ns, key]]
+
+    for step in range(500):
+        ns = rng.choice(namespaces)
+        op = rng.random()
+        start = rng.randrange(len(pool))
+        chain = pool[start : start + rng.randint(1, 4)]
+        if op < 0.35:  # a PUT batch, as the server runs it
+            for i, key in enumerate(chain):
+                size = rng.choice([0, 10, PS, 2 * PS + 3, 5 * PS])
+                try:
+                    res = store.reserve(ns, key, size)
+                except CapacityError:
+                    break
+                if res is None:
+                    continue
+                generation += 1
+                payload = rng.randbytes(size)
+                offset = 0
+                for view in res.views:
+                    view[:] = payload[offset : offset + len(view)]
+                    offset += len(view)
+                if rng.random() < 0.05:
+                    store.abort(res)
+                    continue
+                assert store.commit(res, parent=chain[i - 1] if i else None)
+                contents[ns, key] = (payload, generation)
+        elif op < 0.55:
+            pin = rng.random() < 0.5
+            m = store.lookup(ns, chain, pin=pin)
+            assert store.exists(ns, chain)[:m] == [True] * m
+            if pin:
+                for key in chain[:m]:
+                    leases.setdefault((ns, key), []).append(clock.now + 5.0)
+        elif op < 0.65:
+            ref = store.acquire(ns, chain[0])
+            if ref is not None:
+                refs.append((ref, ns, chain[0], contents[ns, chain[0]][0], contents[ns, chain[0]][1]))
+                renew(ns, chain[0])
+        elif op < 0.75 and refs:
+            ref, _, _, payload, _ = refs.pop(rng.randrange(len(refs)))
+            assert b"".join(ref.views) == payload  # intact while held, even if deleted
+            store.release(ref)
+        elif op < 0.82:
+            store.delete(ns, chain)
+        elif op < 0.90:
+            store.unpin(ns, chain)
+            for key in chain:
+                ts = sorted(t for t in leases.get((ns, key), []) if t > clock.now)
+                leases[ns, key] = ts[1:]
+        else:
+            clock.now += rng.choice([0.5, 1.0, 3.0])
+        check()
+    for ref, *_ in refs:
+        store.release(ref)
+    refs.clear()
+    check()

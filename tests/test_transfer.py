@@ -1,0 +1,212 @@
+"""Paged KV cache <-> payload round trips (CPU tensors), refusals, and the job executor's logic."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.engine.hashing import BlockHasher
+from kvstore.engine.offload import OffloadScheduler
+from kvstore.engine.transfer import HEADER_SIZE, PagedKVTransfer, PayloadMismatch, TransferExecutor
+from kvstore.errors import BlockSizeError, CapacityError, KVStoreError
+
+LAYERS, NUM_BLOCKS, BS, HEADS, DIM = 3, 10, 4, 2, 8
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+LAYOUTS = {
+    1: (2, NUM_BLOCKS, BS, HEADS, DIM),  # [2, num_blocks, block_size, heads, dim] (vLLM flash-attn)
+    0: (NUM_BLOCKS, 2, BS, HEADS, DIM),  # [num_blocks, 2, block_size, heads, dim]
+}
+
+
+def make_caches(dtype: torch.dtype, block_dim: int, fill: str = "random", seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = LAYOUTS[block_dim]
+    if fill == "zeros":
+        return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+    return [(torch.randn(shape, generator=gen) * 4).to(dtype) for _ in range(LAYERS)]
+
+
+def blocks_of(cache: torch.Tensor, block_dim: int, ids: Sequence[int]) -> torch.Tensor:
+    return cache.index_select(block_dim, torch.tensor(ids))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.float8_e4m3fn:  # compare fp8 bit for bit
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_dim", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip(dtype: torch.dtype, block_dim: int) -> None:
+    src = make_caches(dtype, block_dim)
+    before = [c.clone() for c in src]
+    dst = make_caches(dtype, block_dim, "zeros")
+    src_ids, dst_ids = [7, 2, 5, 0], [1, 9, 3, 4]  # two offloaded blocks of factor 2, shuffled
+    payloads = PagedKVTransfer(src, 2, block_dim=block_dim).gather(src_ids)
+    assert len(payloads) == 2
+    PagedKVTransfer(dst, 2, block_dim=block_dim).scatter(payloads, dst_ids)
+    for s, b, d in zip(src, before, dst):
+        same(s, b)  # source unchanged
+        same(blocks_of(d, block_dim, dst_ids), blocks_of(s, block_dim, src_ids))
+        untouched = [i for i in range(NUM_BLOCKS) if i not in dst_ids]
+        assert not blocks_of(d, block_dim, untouched).view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("block_dim", sorted(LAYOUTS))
+def test_payload_layout_is_the_documented_one(block_dim: int) -> None:
+    src = make_caches(torch.bfloat16, block_dim)
+    ids = [3, 8]
+    t = PagedKVTransfer(src, 2, block_dim=block_dim)
+    (payload,) = t.gather(ids)
+    expected = torch.cat([blocks_of(c, block_dim, ids).contiguous().view(torch.uint8).flatten() for c in src])
+    assert torch.equal(payload[HEADER_SIZE:], expected)
+    assert bytes(payload[:4].numpy()) == b"kvsP"
+    assert t.payload_size == HEADER_SIZE + LAYERS * 2 * 2 * BS * HEADS * DIM * 2
+
+
+def test_bytes_payloads_and_skip() -> None:
+    src = make_caches(torch.float16, 1)
+    dst = make_caches(torch.float16, 1, "zeros")
+    payloads = [bytes(p.numpy()) for p in PagedKVTransfer(src, 3).gather([0, 1, 2, 3, 4, 5])]
+    # the first GPU block of the first payload is already cached at the destination: skip it
+    PagedKVTransfer(dst, 3).scatter(payloads, [6, 7, 8, 9, 0], skip=1)
+    for s, d in zip(src, dst):
+        same(blocks_of(d, 1, [6, 7, 8, 9, 0]), blocks_of(s, 1, [1, 2, 3, 4, 5]))
+        assert not d[:, 1:6].any()
+
+
+def test_gather_into_given_buffers() -> None:
+    src = make_caches(torch.float32, 0)
+    t = PagedKVTransfer(src, 1, block_dim=0)
+    out = t.new_payloads(2)
+    got = t.gather([4, 5], out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    with pytest.raises(PayloadMismatch):
+        t.gather([4], out=[torch.empty(t.payload_size - 1, dtype=torch.uint8)])
+
+
+def test_wrong_payloads_are_refused_clearly() -> None:
+    src = make_caches(torch.bfloat16, 1)
+    (payload,) = PagedKVTransfer(src, 2).gather([0, 1])
+    dst_bf16 = PagedKVTransfer(make_caches(torch.bfloat16, 1, "zeros"), 2)
+    with pytest.raises(PayloadMismatch, match=f"has {payload.numel() - 1} bytes") as info:
+        dst_bf16.scatter([payload[:-1]], [2, 3])
+    assert isinstance(info.value, BlockSizeError) and isinstance(info.value, KVStoreError)
+    with pytest.raises(PayloadMismatch):
+        dst_bf16.scatter([bytes(payload.numpy()) + b"\0"], [2, 3])
+    # same size, other dtype: only the header can tell
+    fp16_caches = make_caches(torch.float16, 1, "zeros")
+    dst_fp16 = PagedKVTransfer(fp16_caches, 2)
+    assert dst_fp16.payload_size == dst_bf16.payload_size
+    with pytest.raises(PayloadMismatch, match="another dtype"):
+        dst_fp16.scatter([payload], [2, 3])
+    # same bytes, other layout (the block axis elsewhere)
+    other_layout = [c.reshape(NUM_BLOCKS, 2, BS, HEADS, DIM).clone() for c in make_caches(torch.bfloat16, 1)]
+    with pytest.raises(PayloadMismatch):
+        PagedKVTransfer(other_layout, 2, block_dim=0).scatter([payload], [2, 3])
+    garbage = bytearray(dst_bf16.payload_size)
+    with pytest.raises(PayloadMismatch, match="not a kvstore KV payload"):
+        dst_bf16.scatter([garbage], [2, 3])
+    assert not any(c.view(torch.uint8).any() for c in fp16_caches)  # nothing was written
+
+
+def test_bad_ids_and_layouts_are_refused() -> None:
+    caches = make_caches(torch.float32, 1)
+    t = PagedKVTransfer(caches, 2)
+    payloads = t.gather([0, 1])
+    with pytest.raises(ValueError, match="whole offloaded blocks"):
+        t.gather([0, 1, 2])
+    with pytest.raises(ValueError, match="in 0..9"):
+        t.gather([0, NUM_BLOCKS])
+    with pytest.raises(ValueError, match="need 2 GPU blocks"):
+        t.scatter(payloads, [0])
+    with pytest.raises(ValueError, match="duplicate"):
+        t.scatter(payloads, [3, 3])
+    with pytest.raises(ValueError):
+        PagedKVTransfer(caches, 2, block_dim=4)
+    with pytest.raises(ValueError, match="does not match layer 0"):
+        PagedKVTransfer([caches[0], caches[1][:, :5]], 2)
+    with pytest.raises(ValueError):
+        PagedKVTransfer([], 2)
+
+
+class DictStore:
+    """An in-process stand-in with the client's contract, for the executor's own logic only
+    (the executor against the real server: test_seed_scenario.py, test_pd_example.py)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+        self.fail_puts = False
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+        if self.fail_puts:
+            raise CapacityError("full")
+        for k, b in zip(keys, blocks):
+            self.blocks.setdefault(k, bytes(b))
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        found = []
+        for k, buf in zip(keys, buffers):
+            if k in self.blocks:
+                memoryview(buf)[:] = self.blocks[k]
+            found.append(k in self.blocks)
+        return found
+
+
+def test_executor_moves_jobs_and_reports_them() -> None:
+    store = DictStore()
+    src = make_caches(torch.bfloat16, 1)
+    prefill = OffloadScheduler(BlockHasher(8), 4)
+    ex = TransferExecutor(store, PagedKVTransfer(src, 2), prefill)
+    prefill.add_request("p", range(20))
+    prefill.on_alloc("p", [5, 6, 7, 8, 9], 0)
+    stores = prefill.build_step({"p": 20})
+    done = ex.run(stores)
+    assert done.failed == () and prefill.pending_jobs == ()
+    assert len(store.blocks) == 2
+
+    dst = make_caches(torch.bfloat16, 1, "zeros")
+    decode = OffloadScheduler(BlockHasher(8), 4)
+    dx = TransferExecutor(store, PagedKVTransfer(dst, 2), decode)
+    decode.add_request("d", range(20))
+    n = decode.num_external_tokens("d", 0, dx.lookup)
+    assert n == 16
+    load = decode.on_alloc("d", [0, 1, 2, 3, 4], n)
+    assert load is not None
+    fin = decode.finish_request("d")  # ends while loading: blocks 0..3 are freed by the load
+    assert fin.free_now == (4,)
+    done = dx.run([load])
+    assert done.failed == () and done.freed == (0, 1, 2, 3)
+    for s, d in zip(src, dst):
+        same(d[:, :4], s[:, 5:9])
+
+
+def test_executor_failures_are_reported_not_raised() -> None:
+    store = DictStore()
+    caches = make_caches(torch.float32, 1)
+    s = OffloadScheduler(BlockHasher(8), 4)
+    ex = TransferExecutor(store, PagedKVTransfer(caches, 2), s)
+    s.add_request("r", range(16))
+    s.num_external_tokens("r", 0, lambda keys: 2)  # a lookup that lies: blocks not there
+    load = s.on_alloc("r", list(range(4)), 16)
+    assert load is not None
+    before = [c.clone() for c in caches]
+    done = ex.run([load])
+    assert done.failed == (load,) and s.pending_jobs == ()
+    for b, c in zip(before, caches):
+        same(b, c)  # a failed load writes nothing
+    store.fail_puts = True
+    stores = s.build_step({"r": 16})  # recomputed after the failed load; stored from block 0
+    assert [j.first_block for j in stores] == [0]
+    done = ex.run(stores)
+    assert done.failed == tuple(stores) and s.pending_jobs == ()

@@ -1,0 +1,282 @@
+"""vLLM 0.33's real Scheduler/AsyncScheduler and OffloadingConnector, offloading to a real
+kvstore server through :mod:`kvstore.integrations.vllm`.
+
+The seed scenario (P/D prefill stores everything): with GPU blocks of 4 tokens and
+offloaded blocks of 12, a 12-token request stores GPU blocks (0, 1, 2); after the GPU
+prefix cache is reset, a 24-token request finds the first offloaded block on the server,
+loads GPU blocks (0, 1, 2), and then stores (0, ..., 5) if it has ``do_remote_decode`` --
+only the new (3, 4, 5) if not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.request import Request
+
+from kvstore.client import KVClient
+from kvstore.engine.transfer import HEADER_SIZE
+from kvstore.integrations.vllm import store_key
+from kvstore.server.process import ServerProcess
+from vllm_harness import EOS_TOKEN_ID, LAYERS, Engine
+
+BLOCKS_PER_CHUNK = 3  # offloaded block of 12 tokens / GPU block of 4
+SYNC_ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def chunk_key(req: Request, chunk: int, rank: int = 0) -> bytes:
+    """The server key of a request's offloaded block, derived from vLLM's own block hashes."""
+    last_gpu_block = chunk * BLOCKS_PER_CHUNK + BLOCKS_PER_CHUNK - 1
+    return store_key(make_offload_key(req.block_hashes[last_gpu_block], 0), rank)
+
+
+def gpu_bytes(engine: Engine, block_ids: list[int]) -> list[bytes]:
+    """Per layer, the raw bytes of the given GPU blocks, in order."""
+    return [engine.kv_caches[name][block_ids].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+
+
+def payload_layers(payload: bytes | bytearray) -> list[bytes]:
+    """Split a stored payload (header, then each layer's pages of the chunk) by layer."""
+    body = bytes(payload[HEADER_SIZE:])
+    n = len(body) // len(LAYERS)
+    assert n * len(LAYERS) == len(body)
+    return [body[i * n : (i + 1) * n] for i in range(len(LAYERS))]
+
+
+def wipe_gpu_cache(engine: Engine) -> None:
+    """Forget every GPU block's contents: what a load brings back can only come from the store."""
+    for cache in engine.kv_caches.values():
+        cache.fill_(0.0)
+
+
+def count_calls(client: KVClient, *names: str) -> dict[str, list[int]]:
+    """Record the batch sizes of some client methods (wraps them in place)."""
+    calls: dict[str, list[int]] = {name: [] for name in names}
+    for name in names:
+        method = getattr(client, name)
+
+        def spy(keys: Any, *args: Any, _m: Callable[..., Any] = method, _n: str = name, **kwargs: Any) -> Any:
+            calls[_n].append(len(keys))
+            return _m(keys, *args, **kwargs)
+
+        setattr(client, name, spy)
+    return calls
+
+
+# --------------------------------------------------------------------------- the seed scenario
+
+
+@SYNC_ASYNC
+@pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
+def test_prefill_for_remote_decode_stores_every_block(make_engine: Callable[..., Engine],
+                                                      kvstore_server: ServerProcess, async_scheduling: bool,
+                                                      remote_decode: bool) -> None:
+    engine = make_engine(kvstore_server.addr, async_scheduling=async_scheduling)
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace)
+
+    # A 12-token request stores one offloaded block: GPU blocks (0, 1, 2).
+    first = engine.new_request([0] * 12)
+    log = engine.run([EOS_TOKEN_ID])
+    assert log.stored == (0, 1, 2)
+    assert log.loaded == ()
+    [store] = log.stores
+    original = gpu_bytes(engine, store.gpu_block_ids)
+    [payload] = kv.get([chunk_key(first, 0)])
+    assert payload is not None and payload_layers(payload) == original  # real bytes on the server
+
+    # Reset the GPU prefix cache and wipe the GPU KV cache: the block now lives only in kvstore.
+    assert engine.scheduler.reset_prefix_cache()
+    wipe_gpu_cache(engine)
+
+    # 24 tokens: the lookup finds the first offloaded block on the server, which is loaded ...
+    params = {"do_remote_decode": True} if remote_decode else None
+    second = engine.new_request([0] * 24, kv_transfer_params=params)
+    log = engine.run([0])
+    assert log.loaded == (0, 1, 2)
+    assert log.stored == ()
+    [load] = log.loads
+    assert gpu_bytes(engine, load.gpu_block_ids) == original  # the server's bytes, back in the "GPU"
+
+    # ... and then a P/D prefill stores all its blocks, the loaded ones too; a plain one the new ones.
+    log = engine.run([EOS_TOKEN_ID])
+    assert log.stored == ((0, 1, 2, 3, 4, 5) if remote_decode else (3, 4, 5))
+    assert log.loaded == ()
+    second_blocks = [i for t in log.stores for i in t.gpu_block_ids]
+    if not remote_decode:
+        second_blocks = load.gpu_block_ids + second_blocks
+    for chunk in (0, 1):
+        [payload] = kv.get([chunk_key(second, chunk)])
+        ids = second_blocks[chunk * BLOCKS_PER_CHUNK : (chunk + 1) * BLOCKS_PER_CHUNK]
+        assert payload is not None and payload_layers(payload) == gpu_bytes(engine, ids)
+    assert engine.worker.store_failures == 0
+    kv.close()
+
+
+def test_on_new_request_policy(make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    from vllm.v1.kv_offload.base import OffloadPolicy, ReqContext
+
+    manager = make_engine(kvstore_server.addr).manager
+    assert manager.on_new_request(ReqContext("a", {"do_remote_decode": True})).policy is OffloadPolicy.REQUEST_LEVEL
+    assert manager.on_new_request(ReqContext("b", {"do_remote_decode": False})).policy is OffloadPolicy.CHUNK_LEVEL
+    assert manager.on_new_request(ReqContext("c", None)).policy is OffloadPolicy.CHUNK_LEVEL
+
+
+# --------------------------------------------------------------------------- lookups
+
+
+@SYNC_ASYNC
+def test_lookup_is_one_round_trip_per_request(make_engine: Callable[..., Engine], kvstore_server: ServerProcess,
+                                              async_scheduling: bool) -> None:
+    engine = make_engine(kvstore_server.addr, async_scheduling=async_scheduling)
+    prompt = list(range(100, 165))  # 5 offloaded blocks and 5 tokens
+    engine.new_request(prompt)
+    assert engine.run([EOS_TOKEN_ID]).stored == tuple(range(15))
+    assert engine.scheduler.reset_prefix_cache()
+    wipe_gpu_cache(engine)
+
+    client = engine.manager._client
+    calls = count_calls(client, "lookup", "exists", "unpin")
+    asked: list[bytes] = []
+    lookup = engine.manager.lookup
+
+    def spy(key: Any, req_context: Any) -> Any:
+        asked.append(key)
+        return lookup(key, req_context)
+
+    engine.manager.lookup = spy  # type: ignore[method-assign]
+    engine.new_request(prompt + [7] * 12)
+    log = engine.run([0])
+    assert log.loaded == tuple(range(15))
+    assert len(asked) == 5  # vLLM asks about each of the five blocks ...
+    assert calls["lookup"] == [5]  # ... and one LOOKUP of five keys answers all of them
+    assert calls["unpin"] == []  # every pinned block was loaded: the loads' GETs drop the pins
+    stats = KVClient(kvstore_server.addr, namespace=client.namespace).stats()
+    assert _pinned(stats) == 0
+
+
+def _pinned(stats: dict[str, Any]) -> int:
+    """Blocks the server holds pinned, whatever the stats' nesting."""
+    for key in ("pinned", "pinned_blocks", "leases"):
+        if isinstance(stats.get(key), int):
+            return int(stats[key])
+    for value in stats.values():
+        if isinstance(value, dict):
+            found = _pinned(value)
+            if found >= 0:
+                return found
+    return -1
+
+
+def test_unloaded_hits_are_unpinned_at_step_end(make_engine: Callable[..., Engine],
+                                                kvstore_server: ServerProcess) -> None:
+    engine = make_engine(kvstore_server.addr)
+    prompt = list(range(200, 236))  # 3 offloaded blocks
+    engine.new_request(prompt)
+    engine.run([EOS_TOKEN_ID])
+    assert engine.scheduler.reset_prefix_cache()
+    calls = count_calls(engine.manager._client, "lookup", "unpin")
+
+    # All three blocks are stored and the lookup pins them, but the request may load only one
+    # (max_load_tokens): the pins of the other two are dropped when the step ends.
+    engine.new_request(prompt + [1], kv_transfer_params={"max_load_tokens": 12})
+    log = engine.run([EOS_TOKEN_ID])
+    assert log.loaded == (0, 1, 2)
+    assert calls["lookup"] == [3]
+    assert calls["unpin"] == [2]
+    assert _pinned(KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace).stats()) == 0
+
+
+# --------------------------------------------------------------------------- stores and dedup
+
+
+def test_stores_skip_what_the_server_has(make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    prefill = make_engine(kvstore_server.addr, namespace="shared")
+    other = make_engine(kvstore_server.addr, namespace="shared")  # another engine, same model
+    prompt = list(range(300, 336))  # 3 offloaded blocks
+
+    prefill.new_request(prompt)
+    assert prefill.run([EOS_TOKEN_ID]).stored == tuple(range(9))
+
+    # The other engine computes the same prompt itself (max_load_tokens=0: no load) and
+    # offers it for storing: one EXISTS finds it all on the server, nothing is sent.
+    no_load = {"max_load_tokens": 0}
+    other.new_request(prompt, kv_transfer_params=no_load)
+    log = other.run([EOS_TOKEN_ID])
+    assert (log.loaded, log.stored) == ((), ())
+
+    # One block longer: only the new block is stored.
+    assert other.scheduler.reset_prefix_cache()
+    other.new_request(prompt + list(range(12)), kv_transfer_params=no_load)
+    assert other.run([EOS_TOKEN_ID]).stored == (9, 10, 11)
+
+    # A P/D prefill stores every block even when the server has them all.
+    assert other.scheduler.reset_prefix_cache()
+    other.new_request(prompt, kv_transfer_params={**no_load, "do_remote_decode": True})
+    assert other.run([EOS_TOKEN_ID]).stored == tuple(range(9))
+
+
+def test_flush_on_reset(make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    engine = make_engine(kvstore_server.addr, kvstore_flush_on_reset=True)
+    req = engine.new_request(list(range(12)))
+    engine.run([EOS_TOKEN_ID])
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace)
+    assert kv.exists([chunk_key(req, 0)]) == [True]
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert kv.exists([chunk_key(req, 0)]) == [False]
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_unreachable_server_means_misses(make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    engine = make_engine(kvstore_server.addr)
+    prompt = list(range(400, 424))
+    engine.new_request(prompt)
+    engine.run([EOS_TOKEN_ID])
+    assert engine.scheduler.reset_prefix_cache()
+    kvstore_server.stop()
+
+    # The request runs as if the store were empty: no load, and nothing it could store.
+    engine.new_request(prompt)
+    log = engine.run([0, EOS_TOKEN_ID])
+    assert (log.loaded, log.stored) == ((), ())
+    assert not engine.scheduler.requests
+
+
+def test_refused_store_is_not_fatal(make_engine: Callable[..., Engine],
+                                    make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--capacity", "1KiB")  # smaller than one offloaded block (~1.5 KiB)
+    engine = make_engine(server.addr)
+    engine.new_request(list(range(500, 512)))
+    log = engine.run([EOS_TOKEN_ID])
+    assert log.stored == (0, 1, 2)  # the store job ran ...
+    assert engine.worker.store_failures == 1  # ... the server refused it, and vLLM went on
+
+
+# --------------------------------------------------------------------------- the docs
+
+
+def test_documented_config_selects_the_kvstore_spec() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvstore.integrations.vllm import KVStoreOffloadingSpec
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    configs = re.findall(r"--kv-transfer-config '([^']+)'", doc)
+    assert configs, "docs/vllm.md shows no --kv-transfer-config"
+    for raw in configs:
+        config = KVTransferConfig(**json.loads(raw))
+        assert config.kv_connector == "OffloadingConnector"
+        assert OffloadingSpecFactory.get_spec_cls(config.kv_connector_extra_config) is KVStoreOffloadingSpec

@@ -1,0 +1,275 @@
+"""The adapter's parts one at a time: settings, the manager with several ranks, the worker
+with partial chunks -- against a real kvstore server where one is needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+from kvstore.client import KVClient
+from kvstore.integrations.vllm import (
+    DEFAULT_ADDR,
+    KVStoreLoadStoreSpec,
+    KVStoreOffloadingManager,
+    KVStoreOffloadingSpec,
+    KVStoreOffloadingWorker,
+    KVStoreSettings,
+    default_namespace,
+    store_key,
+)
+from kvstore.server.process import ServerProcess
+
+GROUP = OffloadingGroupConfig(tokens_per_block=4, layer_names=("layer0", "layer1"), group_id=0)
+
+
+def offloading_config(extra: dict[str, Any] | None = None, *, tp: int = 1, rank: int = 0,
+                      model: str = "facebook/opt-125m") -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(GROUP,),
+        worker_kv_bytes_per_block=512,
+        enable_kv_cache_events=False,
+        extra_config=extra or {},
+        engine_id="engine-0",
+        model=OffloadingModelConfig(name=model, dtype="float16", max_model_len=2048),
+        cache=OffloadingCacheConfig(tokens_per_hash=4, blocks_per_chunk=3),
+        parallel=OffloadingParallelConfig(rank=rank, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
+    )
+
+
+def keys(n: int, tag: bytes = b"h") -> list[bytes]:
+    """``n`` distinct OffloadKeys of group 0 (32-byte "hashes")."""
+    return [make_offload_key(tag + bytes([i]) * 31, 0) for i in range(n)]
+
+
+def context(req_id: str, chain: list[bytes], params: dict[str, Any] | None = None) -> ReqContext:
+    """A request context in which vLLM has recorded the chain's positions (12 tokens a chunk)."""
+    ctx = ReqContext(req_id, params)
+    for i, key in enumerate(chain):
+        ctx.set_offload_key_position(key, (i + 1) * 12)  # type: ignore[arg-type]
+    return ctx
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_defaults_and_namespace() -> None:
+    config = offloading_config(tp=2)
+    settings = KVStoreSettings.from_config(config)
+    assert settings.addr == DEFAULT_ADDR
+    assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3"
+    assert (settings.token, settings.tls, settings.lease_ms, settings.flush_on_reset) == (None, None, None, False)
+    long_name = default_namespace(offloading_config(model="/models/" + "x" * 300))
+    assert long_name.startswith("vllm/") and len(long_name) <= 256
+
+
+def test_settings_from_extra_config(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    settings = KVStoreSettings.from_config(offloading_config({
+        "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
+        "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
+        "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem"}))
+    assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
+    assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
+    assert settings.flush_on_reset and settings.tls == "/etc/ca.pem"
+
+
+@pytest.mark.parametrize("extra", [
+    {"kvstore_addr": 7600},
+    {"kvstore_addr": ""},
+    {"kvstore_tls": 3},
+    {"kvstore_token": "a", "kvstore_token_file": "b"},
+    {"kvstore_namespace": "n" * 300},
+])
+def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        KVStoreSettings.from_config(offloading_config(extra))
+
+
+def test_spec_refuses_canonical_layout() -> None:
+    import dataclasses
+
+    with pytest.raises(ValueError, match="canonical_layout"):
+        KVStoreOffloadingSpec(dataclasses.replace(offloading_config(), canonical_layout=True))
+
+
+def test_spec_fails_fast_without_a_server(make_server: Any) -> None:
+    from kvstore.errors import TransportError
+
+    server = make_server("--capacity", "1MiB")
+    addr = server.addr
+    server.stop()
+    spec = KVStoreOffloadingSpec(offloading_config({"kvstore_addr": addr, "kvstore_timeout": 2}))
+    with pytest.raises(TransportError, match=addr):
+        spec.get_manager()
+
+
+# --------------------------------------------------------------------------- the manager
+
+
+@pytest.fixture
+def kv(kvstore_server: ServerProcess) -> Any:
+    with KVClient(kvstore_server.addr, namespace="parts") as client:
+        yield client
+
+
+def manager(addr: str, world_size: int = 1) -> KVStoreOffloadingManager:
+    client = KVClient(addr, namespace="parts")
+    client.connect()
+    return KVStoreOffloadingManager(client, world_size=world_size, groups=(GROUP,), blocks_per_chunk=3)
+
+
+def test_a_chunk_is_present_only_when_every_rank_stored_it(kv: KVClient, kvstore_server: ServerProcess) -> None:
+    m = manager(kvstore_server.addr, world_size=2)
+    k0, k1 = keys(2)
+    ctx = context("r", [k0, k1])
+    kv.put([store_key(k0, 0)], [b"rank0"])
+    assert m.lookup(k0, ctx) is LookupResult.MISS  # rank 1's slice is missing
+    m.on_schedule_end(None)  # type: ignore[arg-type]
+
+    kv.put([store_key(k0, 1), store_key(k1, 0)], [b"rank1", b"rank0"])
+    assert m.lookup(k0, ctx) is LookupResult.HIT
+    assert m.lookup(k1, ctx) is LookupResult.MISS
+    out = m.prepare_store([k0, k1], ctx)
+    assert out is not None and out.keys_to_store == [k1] and out.evicted_keys == []
+    m.complete_store([k1], ctx)
+    m.on_schedule_end(None)  # type: ignore[arg-type]
+    m.shutdown()
+
+
+def test_lookup_answers_from_one_round_trip_and_caches_per_step(kv: KVClient,
+                                                                kvstore_server: ServerProcess) -> None:
+    m = manager(kvstore_server.addr)
+    chain = keys(6)
+    kv.put([store_key(k, 0) for k in chain[:4]], [b"x"] * 4)
+    ctx = context("r", chain)
+    assert [m.lookup(k, ctx) for k in chain] == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 2
+    assert m.round_trips == 2  # one LOOKUP for chain[0..5]; chain[5] is past the first miss: asked again
+    spec = m.prepare_load(chain[:3], ctx)
+    assert isinstance(spec, KVStoreLoadStoreSpec) and spec.keys == chain[:3]
+    m.on_schedule_end(None)  # type: ignore[arg-type]  # unpins chain[3], which no load took
+    assert m.round_trips == 3
+
+
+def test_stores_are_deduplicated_against_the_server_and_in_flight(kv: KVClient,
+                                                                  kvstore_server: ServerProcess) -> None:
+    m = manager(kvstore_server.addr)
+    chain = keys(3)
+    kv.put([store_key(chain[0], 0)], [b"x"])
+    plain, pd = context("a", chain), context("b", chain, {"do_remote_decode": True})
+    out = m.prepare_store(chain, plain)
+    assert out is not None and out.keys_to_store == chain[1:]
+    out = m.prepare_store(chain, pd)  # P/D stores all -- but not what is being stored right now
+    assert out is not None and out.keys_to_store == chain[:1]
+    m.complete_store(chain[1:], plain)
+    m.complete_store(chain[:1], pd)
+    out = m.prepare_store(chain, pd)
+    assert out is not None and out.keys_to_store == chain
+
+
+def test_an_unreachable_server_reads_as_empty(make_server: Any) -> None:
+    server = make_server("--capacity", "1MiB")
+    m = manager(server.addr)
+    server.stop()
+    chain = keys(2)
+    ctx = context("r", chain)
+    assert m.lookup(chain[0], ctx) is LookupResult.MISS
+    assert m.prepare_store(chain, ctx) is None  # vLLM counts an allocation failure and goes on
+    m.on_schedule_end(None)  # type: ignore[arg-type]
+    m.shutdown()
+
+
+# --------------------------------------------------------------------------- the worker
+
+NUM_BLOCKS = 16
+PAGE = 64  # bytes of one GPU block of one layer
+
+
+def paged_caches(seed: int | None) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    """Two layers' "GPU" caches as vLLM hands them to a worker: (blocks, page bytes) int8."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    tensors = [
+        torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen) if seed is not None
+        else torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.int8)
+        for _ in range(2)
+    ]
+    canonical = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]],
+    )
+    return tensors, canonical
+
+
+def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0) -> KVStoreOffloadingWorker:
+    client = KVClient(addr, namespace="parts")
+    client.connect()
+    return KVStoreOffloadingWorker(caches, client, blocks_per_chunk=3, rank=rank)
+
+
+def finish(w: KVStoreOffloadingWorker, job_id: int) -> None:
+    w.wait({job_id})
+    [result] = w.get_finished()
+    assert (result.job_id, result.success) == (job_id, True)
+
+
+def test_worker_round_trip_with_a_partial_first_chunk(kv: KVClient, kvstore_server: ServerProcess) -> None:
+    src, src_caches = paged_caches(seed=1)
+    dst, dst_caches = paged_caches(seed=None)
+    chunk = keys(2)
+    prefill, decode = worker(kvstore_server.addr, src_caches, rank=1), worker(kvstore_server.addr, dst_caches, rank=1)
+
+    # Store two chunks: GPU blocks 5, 6, 7 and 2, 3, 4 (logical blocks 0..5 of a request).
+    assert prefill.submit_store(1, GPULoadStoreSpec([5, 6, 7, 2, 3, 4], [6], [0]), KVStoreLoadStoreSpec(chunk))
+    finish(prefill, 1)
+    assert kv.exists([store_key(k, 1) for k in chunk]) == [True, True]  # under this rank's keys
+    assert kv.exists([store_key(k, 0) for k in chunk]) == [False, False]
+
+    # Load logical blocks 1..5 (block 0 is in the GPU prefix cache): the first chunk is entered
+    # one block in.
+    assert decode.submit_load(2, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([10, 11, 12, 13, 14], [5], [1]))
+    finish(decode, 2)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[10, 11, 12, 13, 14]], s[[6, 7, 2, 3, 4]])
+        assert not d[:10].any() and not d[15:].any()  # nothing else written
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_worker_reports_a_missing_chunk_as_a_failed_load(kvstore_server: ServerProcess) -> None:
+    _, caches = paged_caches(seed=None)
+    w = worker(kvstore_server.addr, caches)
+    assert w.submit_load(7, KVStoreLoadStoreSpec(keys(1)), GPULoadStoreSpec([1, 2, 3], [3], [0]))
+    w.wait({7})
+    [result] = w.get_finished()
+    assert (result.job_id, result.success) == (7, False)
+    w.shutdown()
+
+
+def test_worker_rejects_a_spec_that_does_not_add_up(kvstore_server: ServerProcess) -> None:
+    _, caches = paged_caches(seed=None)
+    w = worker(kvstore_server.addr, caches)
+    with pytest.raises(ValueError, match="does not match"):
+        w.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]), KVStoreLoadStoreSpec(keys(2)))
+    w.shutdown()
