@@ -158,7 +158,7 @@ class Engine:
             self._run(stores)
         fin = sched.finish_request(rid)
         self.free += fin.free_now
-        self._run(list(fin.stores))
+        self._run(fin.stores)
         assert not sched.pending_jobs and not sched.num_requests
         return {"prompt_tokens": len(prompt), "loaded_tokens": external, "computed_tokens": len(prompt) - start,
                 "offloaded_blocks": self.offloaded_blocks, "tokens": tokens, "logits": all_logits}
@@ -167,7 +167,7 @@ class Engine:
         taken, self.free = self.free[:n], self.free[n:]
         return taken
 
-    def _run(self, jobs: list[LoadJob | StoreJob]) -> bool:
+    def _run(self, jobs: Sequence[LoadJob | StoreJob]) -> bool:
         """Runs jobs; True if any failed."""
         if self.executor is None:  # local mode: no store, the jobs are dropped
             for job in jobs:
@@ -180,8 +180,10 @@ class Engine:
         return bool(done.failed)
 
 
-def run(mode: str, prompts: list[str], max_tokens: int, server: str | None, cfg: Config = Config()) -> list[dict[str, Any]]:
+def run(mode: str, prompts: list[str], max_tokens: int, server: str | None,
+        cfg: Config | None = None) -> list[dict[str, Any]]:
     """Runs each prompt in a fresh engine; ``server`` is unused in ``local`` mode."""
+    cfg = cfg or Config()
     model = TinyLM(cfg)
     results = []
     client = None

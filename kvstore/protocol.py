@@ -28,14 +28,13 @@ from typing import Any, ClassVar, Iterable, Protocol, Sequence
 import msgpack
 
 from .errors import InvalidRequest, ProtocolError, TooLarge
+from .keys import MAX_KEY_LEN, MIN_KEY_LEN, check_key
 
 MAGIC = b"KV"
 VERSION = 1
 HEADER = struct.Struct("!2sBBIIQ")
 HEADER_SIZE = HEADER.size  # 20
 
-MIN_KEY_LEN = 1
-MAX_KEY_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -85,14 +84,6 @@ def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
         raise InvalidRequest("empty batch")
     for k in keys:
         check_key(k)
-
-
-def check_key(key: Any) -> None:
-    """Keys are opaque bytes of 1..128 bytes (a sha256 chain hash is 32)."""
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise InvalidRequest(f"a key must be bytes, not {type(key).__name__}")
-    if not MIN_KEY_LEN <= len(key) <= MAX_KEY_LEN:
-        raise InvalidRequest(f"key length {len(key)} is outside {MIN_KEY_LEN}..{MAX_KEY_LEN} bytes")
 
 
 def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 - 1) -> None:

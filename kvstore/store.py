@@ -42,29 +42,14 @@ import math
 import time
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from .arena import Arena, Extent
 from .errors import CapacityError, InvalidRequest, TooLarge
+from .keys import MAX_KEY_LEN, check_key
 from .eviction import EvictionPolicy, make_policy
 
-#: Longest block key in bytes. Chained hashes are 16-64 bytes; 128 leaves room
-#: for a prefix while keeping a 1,000-key batch's keys well under 1 MiB.
-MAX_KEY_LEN = 128
-
 BlockKey = tuple[str, bytes]  # the policy's key: (namespace, key bytes)
-
-
-def check_key(key: object) -> bytes:
-    """Return ``key`` if it is a valid block key (bytes, 1..128 long).
-
-    Raises:
-        InvalidRequest: anything else.
-    """
-    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_LEN:
-        what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
-        raise InvalidRequest(f"a block key must be 1..{MAX_KEY_LEN} bytes, got {what}")
-    return key
 
 
 def _check_ns(ns: object) -> None:
@@ -77,10 +62,32 @@ def _check_keys(keys: Iterable[object]) -> None:
         check_key(key)
 
 
+class StoreStats(TypedDict):
+    """``BlockStore.stats()``: gauges and monotonic counters, all ints but ``eviction``."""
+
+    blocks: int  # stored blocks (reservations not included)
+    bytes: int  # their payload bytes
+    used_bytes: int  # bytes of pages in use: blocks, reservations, deleted blocks still being read
+    capacity: int
+    free_bytes: int
+    reserved_bytes: int  # bytes of pages held by open reservations
+    pinned_blocks: int  # blocks with a reader or an unexpired lease
+    leases: int
+    evictions: int
+    evicted_bytes: int  # payload bytes evicted
+    stored: int  # commits that stored a block
+    dedup: int  # puts of a key already stored (at reserve, or a lost commit race)
+    lookups: int
+    lookup_hit_keys: int
+    lookup_miss_keys: int
+    page_size: int
+    eviction: str  # the policy's name
+
+
 class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
-    __slots__ = ("pkey", "size", "checksum", "extent", "parent", "children", "refs", "leases", "stranded", "dead")
+    __slots__ = ("checksum", "children", "dead", "extent", "leases", "parent", "pkey", "refs", "size", "stranded")
 
     def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent) -> None:
         self.pkey = pkey
@@ -124,7 +131,7 @@ class _Block:
 class Reservation:
     """Pages set aside for one incoming block; fill ``views`` then commit or abort."""
 
-    __slots__ = ("ns", "key", "size", "checksum", "views", "_extent", "_open")
+    __slots__ = ("_extent", "_open", "checksum", "key", "ns", "size", "views")
 
     def __init__(self, ns: str, key: bytes, size: int, checksum: int, views: list[memoryview], extent: Extent) -> None:
         self.ns = ns
@@ -143,7 +150,7 @@ class Reservation:
 class BlockRef:
     """A pinned block being read; ``views`` stay valid until ``release``."""
 
-    __slots__ = ("ns", "key", "size", "checksum", "views", "_block", "_open")
+    __slots__ = ("_block", "_open", "checksum", "key", "ns", "size", "views")
 
     def __init__(self, ns: str, key: bytes, block: _Block, views: list[memoryview]) -> None:
         self.ns = ns
@@ -288,9 +295,7 @@ class BlockStore:
             self._close(res)
             self._arena.free(res._extent)
 
-    def put(
-        self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None
-    ) -> bool:
+    def put(self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None) -> bool:
         """reserve + copy + commit, for tests and promotion from a lower tier.
 
         Returns:
@@ -457,23 +462,30 @@ class BlockStore:
 
     # -- introspection ----------------------------------------------------------
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> StoreStats:
         """Counters and gauges as plain ints (``eviction`` is the policy's name)."""
         self.expire_leases()
         arena = self._arena
-        return {
-            "blocks": self._count,
-            "bytes": self._payload,
-            "used_bytes": arena.used_bytes,
-            "capacity": arena.capacity,
-            "free_bytes": arena.free_bytes,
-            "reserved_bytes": self._reserved_pages * arena.page_size,
-            "pinned_blocks": self._pinned_blocks,
-            "leases": self._leases,
-            **self._events,
-            "page_size": arena.page_size,
-            "eviction": self._policy.name,
-        }
+        events = self._events
+        return StoreStats(
+            blocks=self._count,
+            bytes=self._payload,
+            used_bytes=arena.used_bytes,
+            capacity=arena.capacity,
+            free_bytes=arena.free_bytes,
+            reserved_bytes=self._reserved_pages * arena.page_size,
+            pinned_blocks=self._pinned_blocks,
+            leases=self._leases,
+            evictions=events["evictions"],
+            evicted_bytes=events["evicted_bytes"],
+            stored=events["stored"],
+            dedup=events["dedup"],
+            lookups=events["lookups"],
+            lookup_hit_keys=events["lookup_hit_keys"],
+            lookup_miss_keys=events["lookup_miss_keys"],
+            page_size=arena.page_size,
+            eviction=self._policy.name,
+        )
 
     def namespaces(self) -> dict[str, dict[str, int]]:
         """``{ns: {"blocks": n, "bytes": payload}}`` for every non-empty namespace."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -29,3 +30,63 @@ def make_server() -> Iterator:
     yield make
     for srv in started:
         srv.stop()
+
+
+# ---------------------------------------------------------------- operations (metrics, auth, TLS)
+
+
+def metrics_address(srv: ServerProcess) -> str:
+    """``http://127.0.0.1:PORT`` of a server started with ``--metrics-port 0`` (read from its log)."""
+    import re
+
+    line = srv.wait_log(r"metrics served at http://\S+:\d+/")
+    match = re.search(r"http://(\S+?):(\d+)/", line)
+    assert match is not None
+    return f"http://{match.group(1)}:{match.group(2)}"
+
+
+@pytest.fixture
+def metrics_url() -> Callable[[ServerProcess], str]:
+    """``metrics_url(srv)`` -> the base URL of ``srv``'s metrics/health listener."""
+    return metrics_address
+
+
+@pytest.fixture
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A throw-away CA and a server certificate for ``localhost``/127.0.0.1, made with ``cryptography``.
+
+    Returns the paths ``ca`` (CA certificate), ``cert`` and ``key`` (the server's, PEM).
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out = tmp_path_factory.mktemp("tls")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def build(subject: str, issuer: x509.Name | None, signing_key: ec.EllipticCurvePrivateKey | None,
+              ca: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(signing_key or key, hashes.SHA256()), key
+
+    ca_cert, ca_key = build("kvstore test CA", None, None, ca=True)
+    cert, key = build("localhost", ca_cert.subject, ca_key, ca=False)
+    paths = {"ca": out / "ca.pem", "cert": out / "server.pem", "key": out / "server.key"}
+    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return paths

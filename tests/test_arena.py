@@ -15,6 +15,12 @@ from kvstore.arena import Arena, Extent
 PS = 4096  # small pages keep the tests' arenas tiny
 
 
+def take(arena: Arena, nbytes: int) -> Extent:
+    extent = arena.alloc(nbytes)
+    assert extent is not None
+    return extent
+
+
 def fill(arena: Arena, extent: Extent, nbytes: int, byte: int) -> None:
     for view in arena.views(extent, nbytes):
         view[:] = bytes([byte]) * len(view)
@@ -98,8 +104,7 @@ def test_freed_run_is_reused_whole() -> None:
 
 def test_best_fit_keeps_large_runs_whole() -> None:
     arena = Arena(40 * PS, PS)
-    blocks = [arena.alloc(4 * PS) for _ in range(10)]
-    assert all(b is not None for b in blocks)
+    blocks = [take(arena, 4 * PS) for _ in range(10)]
     arena.free(blocks[1])  # hole of 4 at [4..7]
     arena.free(blocks[8])  # hole of 4 at [32..35]
     arena.free(blocks[9])  # merges into a hole of 8 at [32..39]
@@ -168,13 +173,11 @@ def test_double_free_raises_and_changes_nothing() -> None:
 
 def test_one_mib_alloc_and_free_are_microseconds() -> None:
     arena = Arena(256 << 20, 64 * 1024, prefault=False)
-    live = [arena.alloc(1 << 20) for _ in range(128)]
+    live = [take(arena, 1 << 20) for _ in range(128)]
     start = time.perf_counter()
     for i in range(2000):  # churn in a full-ish arena: free one, take one
-        extent = live[i % 128]
-        assert extent is not None
-        arena.free(extent)
-        live[i % 128] = arena.alloc(1 << 20)
+        arena.free(live[i % 128])
+        live[i % 128] = take(arena, 1 << 20)
     per_pair = (time.perf_counter() - start) / 2000
     assert per_pair < 200e-6, f"{per_pair * 1e6:.1f} us per alloc+free"  # typically ~3 us
 
@@ -199,9 +202,9 @@ def test_random_churn_never_overlaps_and_keeps_data(seed: int) -> None:
     for ident in range(4000):
         if live and (rng.random() < 0.45 or arena.free_pages < 40):
             victim = rng.choice(list(live))
-            extent, nbytes = live.pop(victim)
-            assert content(arena, extent, nbytes) == bytes([victim % 251]) * nbytes
-            arena.free(extent)
+            old, old_nbytes = live.pop(victim)
+            assert content(arena, old, old_nbytes) == bytes([victim % 251]) * old_nbytes
+            arena.free(old)
         nbytes = rng.choice([0, 1, page - 1, page, rng.randrange(1, 40 * page)])
         extent = arena.alloc(nbytes)
         if extent is None:

@@ -9,6 +9,7 @@ import re
 import struct
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -32,8 +33,8 @@ print(json.dumps(out))
 """
 
 
-def _local_keys(tokens: list[int]) -> dict[str, object]:
-    out: dict[str, object] = {}
+def _local_keys(tokens: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for algo in ("sha256", "xxh3_128"):
         h = BlockHasher(16, algo=algo, seed="s")
         out[algo] = [k.hex() for k in h.keys(tokens, extra=("lora", 3, b"mm"))]
@@ -53,7 +54,7 @@ def test_same_keys_in_processes_with_different_hash_seeds() -> None:
     local = _local_keys(TOKENS)
     for res in results:
         assert {k: res[k] for k in local} == local
-    assert len(local["sha256"]) == 100 // 16  # type: ignore[arg-type]
+    assert len(local["sha256"]) == 100 // 16
 
 
 def test_known_answer() -> None:
@@ -166,11 +167,13 @@ def test_bad_tokens_and_extras_are_refused() -> None:
 
 
 def test_namespace_is_readable_and_fingerprints_every_field() -> None:
-    base = dict(model="meta-llama/Meta-Llama-3-8B", dtype="torch.bfloat16", kv_layout="NHD", tp_rank=0, block_size=48)
-    ns = namespace_for(**base)  # type: ignore[arg-type]
+    base: dict[str, Any] = dict(
+        model="meta-llama/Meta-Llama-3-8B", dtype="torch.bfloat16", kv_layout="NHD", tp_rank=0, block_size=48
+    )
+    ns = namespace_for(**base)
     assert re.fullmatch(r"meta-llama-3-8b/bf16/tp0/b48-[0-9a-f]{8}", ns), ns
-    assert namespace_for(**base) == ns  # type: ignore[arg-type]
-    variants = [
+    assert namespace_for(**base) == ns
+    variants: list[dict[str, Any]] = [
         {"model": "other/Meta-Llama-3-8B"},
         {"dtype": "float16"},
         {"kv_layout": "HND"},
@@ -179,9 +182,9 @@ def test_namespace_is_readable_and_fingerprints_every_field() -> None:
     ]
     seen = {ns}
     for change in variants:
-        seen.add(namespace_for(**{**base, **change}))  # type: ignore[arg-type]
-    seen.add(namespace_for(**base, tp_size=2))  # type: ignore[arg-type]
-    seen.add(namespace_for(**base, algo="xxh3_128"))  # type: ignore[arg-type]
-    seen.add(namespace_for(**base, revision="abc"))  # type: ignore[arg-type]
+        seen.add(namespace_for(**{**base, **change}))
+    seen.add(namespace_for(**base, tp_size=2))
+    seen.add(namespace_for(**base, algo="xxh3_128"))
+    seen.add(namespace_for(**base, revision="abc"))
     assert len(seen) == len(variants) + 4
     assert all(len(s) <= 80 for s in seen)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.engine.hashing import BlockHasher
-from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
+from kvstore.engine.offload import LoadJob, LookupFn, OffloadScheduler, StoreJob
 
 GPU_BS = 4
 FACTOR = 3
@@ -23,7 +23,7 @@ def gpu_blocks(n: int, base: int = 100) -> list[int]:
     return list(range(base, base + n))
 
 
-def hits(n: int, seen: list[list[bytes]] | None = None):  # noqa: ANN201 - a LookupFn
+def hits(n: int, seen: list[list[bytes]] | None = None) -> LookupFn:
     def lookup(keys: list[bytes]) -> int:
         if seen is not None:
             seen.append(keys)

@@ -41,6 +41,7 @@ def load_example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("pd_disaggregation", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 

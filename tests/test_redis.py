@@ -180,9 +180,12 @@ async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -
         redis.stop()  # blocks stay queued while Redis is down...
         assert (await kv.put(keys, data)).stored == 40
         assert (await kv.stats())["tier"]["backlog_blocks"] == 40
-    redis.start()
-    assert srv.stop() == 0  # ...and SIGTERM writes them before the process exits
-    assert srv.log and not any("were not written" in line for line in srv.log)
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)  # ...and SIGTERM writes them before the process exits,
+    srv.wait_log(r"flushing 40 write-behind block\(s\) to redis before exit")
+    redis.start()  # (here even waiting for Redis to come back)
+    assert srv.proc.wait(15) == 0
+    assert not any("were not written" in line for line in srv.log)
     assert all(in_redis(redis, NS, keys))
     assert int(redis.cli("STRLEN", block_key(NS, keys[-1]))) == HEADER_SIZE + 200_000
 
@@ -203,7 +206,7 @@ async def test_redis_down_and_back_under_running_servers(make_redis, make_server
         redis.stop()
 
         async def both_degraded() -> bool:
-            return all((await kv.stats())["tier"]["state"] == "degraded" for kv in (a, b))
+            return all([(await kv.stats())["tier"]["state"] == "degraded" for kv in (a, b)])
 
         await eventually(both_degraded, 10, "both servers to report the tier degraded")
         for kv in (a, b):  # memory keeps serving

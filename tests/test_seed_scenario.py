@@ -56,10 +56,10 @@ class RecordingClient:
         return self.kv.put(keys, blocks)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
-        return self.kv.get_into(keys, buffers)
+        return list(self.kv.get_into(keys, buffers))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        return self.kv.lookup(keys)
+        return int(self.kv.lookup(keys))
 
 
 @dataclass
@@ -142,11 +142,11 @@ class MiniEngine:
         if token == EOS:
             req.finished = True
             fin: Finished = self.sched.finish_request(req.req_id)
-            self._run_jobs(list(fin.stores))
+            self._run_jobs(fin.stores)
             for i in range(len(req.tokens) // GPU_BS):  # full blocks go to the GPU prefix cache
                 self.prefix_cache.setdefault(tuple(req.tokens[: (i + 1) * GPU_BS]), req.table[i])
 
-    def _run_jobs(self, jobs: list[LoadJob | StoreJob]) -> None:
+    def _run_jobs(self, jobs: Sequence[LoadJob | StoreJob]) -> None:
         for job in jobs:
             table = self.tables[job.req_id]
             idx = tuple(table.index(b) for b in job.gpu_block_ids)

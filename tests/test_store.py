@@ -7,7 +7,7 @@ blocks. Comments narrate each step: ``# put [4] -> evicts [0]``.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -67,7 +67,7 @@ def put_batch(store: BlockStore, names: Sequence[object], ns: str = NS, size: in
 
 
 def present(store: BlockStore, names: Sequence[object], ns: str = NS) -> list[object]:
-    return [name for name, ok in zip(names, store.exists(ns, [k(n) for n in names])) if ok]
+    return [name for name, ok in zip(names, store.exists(ns, [k(n) for n in names]), strict=True) if ok]
 
 
 # -- basics ---------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_invalid_requests_are_rejected_before_any_effect(policy: str) -> None:
     store = make(policy, 4)
     assert store.put(NS, k(0), data(0))
     bad_key = b"x" * (MAX_KEY_LEN + 1)
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: store.reserve(NS, bad_key, 10),
         lambda: store.reserve(NS, k(1), -1),
         lambda: store.reserve(NS, k(1), 1.5),  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ def test_lookup_returns_the_present_prefix(policy: str) -> None:
 
 def test_stats_are_plain_ints(policy: str) -> None:
     store = make(policy, 4)
-    stats = store.stats()
+    stats: dict[str, object] = dict(store.stats())
     assert stats.pop("eviction") == policy
     expected = {
         "blocks", "bytes", "used_bytes", "capacity", "free_bytes", "reserved_bytes", "pinned_blocks", "leases",
@@ -511,7 +511,7 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
     def check() -> None:
         nonlocal leases
         stats = store.stats()
-        live = {(ns, key) for ns in namespaces for key, ok in zip(pool, store.exists(ns, pool)) if ok}
+        live = {(ns, key) for ns in namespaces for key, ok in zip(pool, store.exists(ns, pool), strict=True) if ok}
         leases = {nk: [t for t in ts if t > clock.now] for nk, ts in leases.items()}
         leases = {nk: ts for nk, ts in leases.items() if ts and nk in live}
         readers = {(ns, key) for _, ns, key, _, gen in refs if contents[ns, key][1] == gen and (ns, key) in live}
@@ -533,7 +533,7 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
         if (ns, key) in leases:
             leases[ns, key] = [max(t, clock.now + 5.0) for t in leases[ns, key]]
 
-    for step in range(500):
+    for _ in range(500):
         ns = rng.choice(namespaces)
         op = rng.random()
         start = rng.randrange(len(pool))

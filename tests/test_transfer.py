@@ -87,6 +87,8 @@ def test_gather_into_given_buffers() -> None:
     assert got[0] is out[0] and got[1] is out[1]
     with pytest.raises(PayloadMismatch):
         t.gather([4], out=[torch.empty(t.payload_size - 1, dtype=torch.uint8)])
+    with pytest.raises(PayloadMismatch):
+        t.gather([4], out=[torch.empty(t.payload_size // 4, dtype=torch.float32)])
 
 
 def test_wrong_payloads_are_refused_clearly() -> None:

@@ -20,6 +20,7 @@ from vllm.v1.request import Request
 
 from kvstore.client import KVClient
 from kvstore.engine.transfer import HEADER_SIZE
+from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm import store_key
 from kvstore.server.process import ServerProcess
 from vllm_harness import EOS_TOKEN_ID, LAYERS, Engine
@@ -151,27 +152,19 @@ def test_lookup_is_one_round_trip_per_request(make_engine: Callable[..., Engine]
         return lookup(key, req_context)
 
     engine.manager.lookup = spy  # type: ignore[method-assign]
-    engine.new_request(prompt + [7] * 12)
+    engine.new_request(prompt + [7] * 12)  # 6 offloaded blocks and 5 tokens
     log = engine.run([0])
     assert log.loaded == tuple(range(15))
-    assert len(asked) == 5  # vLLM asks about each of the five blocks ...
-    assert calls["lookup"] == [5]  # ... and one LOOKUP of five keys answers all of them
+    assert len(asked) == 6  # vLLM asks about each block: five hits, then the new one, a miss ...
+    assert calls["lookup"] == [6]  # ... and one LOOKUP of six keys answered all of them
     assert calls["unpin"] == []  # every pinned block was loaded: the loads' GETs drop the pins
     stats = KVClient(kvstore_server.addr, namespace=client.namespace).stats()
     assert _pinned(stats) == 0
 
 
 def _pinned(stats: dict[str, Any]) -> int:
-    """Blocks the server holds pinned, whatever the stats' nesting."""
-    for key in ("pinned", "pinned_blocks", "leases"):
-        if isinstance(stats.get(key), int):
-            return int(stats[key])
-    for value in stats.values():
-        if isinstance(value, dict):
-            found = _pinned(value)
-            if found >= 0:
-                return found
-    return -1
+    """Blocks the server holds pinned (leased)."""
+    return int(stats["store"]["pinned_blocks"])
 
 
 def test_unloaded_hits_are_unpinned_at_step_end(make_engine: Callable[..., Engine],
@@ -252,12 +245,21 @@ def test_unreachable_server_means_misses(make_engine: Callable[..., Engine], kvs
 
 def test_refused_store_is_not_fatal(make_engine: Callable[..., Engine],
                                     make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--capacity", "1KiB")  # smaller than one offloaded block (~1.5 KiB)
-    engine = make_engine(server.addr)
-    engine.new_request(list(range(500, 512)))
-    log = engine.run([EOS_TOKEN_ID])
-    assert log.stored == (0, 1, 2)  # the store job ran ...
-    assert engine.worker.store_failures == 1  # ... the server refused it, and vLLM went on
+    server = make_server("--capacity", "1MiB")
+    with KVClient(server.addr, namespace="filler") as filler:  # fill the store with pinned blocks
+        blocks = [bytes([i]) * 60_000 for i in range(64)]
+        filler_keys = [b"filler-%d" % i for i in range(64)]
+        try:
+            filler.put(filler_keys, blocks)
+        except KVStoreError:
+            pass  # what did not fit did not fit
+        filler.lookup(filler_keys, pin=True, lease_ms=600_000)
+        engine = make_engine(server.addr)
+        engine.new_request(list(range(500, 512)))
+        log = engine.run([EOS_TOKEN_ID])
+        assert log.stored == (0, 1, 2)  # the store job ran ...
+        assert engine.worker.store_failures == 1  # ... the server refused it (full), and vLLM went on
+        assert not engine.scheduler.requests
 
 
 # --------------------------------------------------------------------------- the docs

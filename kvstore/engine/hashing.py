@@ -182,14 +182,15 @@ class KeyChain:
             ValueError: a token is not an int64 (the chain is left unchanged).
         """
         new_tokens = [_token(token) for token in token_ids]
-        self._pending.extend(new_tokens)
+        pending = self._pending + new_tokens
         size = self.hasher.block_size
         added: list[bytes] = []
         parent = self._keys[-1] if self._keys else self.hasher.root
-        while len(self._pending) >= size:
-            parent = self.hasher._key(parent, self._pending[:size], self._extra)
+        full = len(pending) - len(pending) % size
+        for start in range(0, full, size):
+            parent = self.hasher._key(parent, pending[start : start + size], self._extra)
             added.append(parent)
-            del self._pending[:size]
+        self._pending = pending[full:]
         self._keys.extend(added)
         return added
 

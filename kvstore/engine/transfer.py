@@ -108,7 +108,7 @@ class PagedKVTransfer:
             bytearray(_HEADER.pack(_MAGIC, _VERSION, block_size_factor, fingerprint)), dtype=torch.uint8
         )
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # type: ignore[no-untyped-call]
 
     def new_payloads(self, n: int) -> list[torch.Tensor]:
         """``n`` host buffers of ``payload_size`` bytes (pinned when the cache is on CUDA)."""
@@ -136,7 +136,9 @@ class PagedKVTransfer:
         if len(payloads) != n:
             raise ValueError(f"{n} payloads to gather but {len(payloads)} buffers")
         for i, p in enumerate(payloads):
-            self._check_size(i, p.numel() * p.element_size())
+            if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.device.type != "cpu":
+                raise PayloadMismatch(f"buffer {i} must be a contiguous 1-d uint8 CPU tensor")
+            self._check_size(i, p.numel())
         with self._on_side_stream():
             work = payloads if not self._cuda else [torch.empty_like(p, device=self.device) for p in payloads]
             for i, dst in enumerate(work):
@@ -237,7 +239,7 @@ class _SideStream:
 
     def __enter__(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        self._ctx.__enter__()
+        self._ctx.__enter__()  # type: ignore[no-untyped-call]
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
@@ -302,7 +304,7 @@ class TransferExecutor:
     def load(self, job: LoadJob) -> bool:
         """Fetch and scatter one load; False (cache untouched) if a block is missing."""
         payloads = self.transfer.new_payloads(len(job.keys))
-        buffers = [memoryview(p.numpy()) for p in payloads]
+        buffers = [p.numpy().data for p in payloads]
         if self.pin:
             found = self.client.get_into(list(job.keys), buffers, unpin=True)  # type: ignore[call-arg]
         else:
@@ -315,7 +317,7 @@ class TransferExecutor:
     def store(self, job: StoreJob) -> None:
         """Gather and put one store; raises what the client raises."""
         payloads = self.transfer.gather(job.gpu_block_ids)
-        self.client.put(list(job.keys), [memoryview(p.numpy()) for p in payloads])
+        self.client.put(list(job.keys), [p.numpy().data for p in payloads])
 
     def run(self, jobs: Iterable[LoadJob | StoreJob]) -> Completed:
         """Run jobs in order and report each to the scheduler.

@@ -1,0 +1,261 @@
+"""The systems the benchmark measures side by side, each behind the same small interface.
+
+A target starts its server on loopback (and stops it by PID), prepares a
+``(size, batch)`` cell, and hands out *ops*: ``async op(i)`` performs request
+``i`` of a measurement (one batch). All clients run on the benchmark's one
+event loop (uvloop), one after another, never at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Awaitable, Callable
+
+from .common import free_port, make_blocks, make_keys
+from .raw import EXIT, HEADER, RawClient
+
+Op = Callable[[int], Awaitable[None]]
+
+
+class Target:
+    """One system: a server process and a client."""
+
+    name = ""
+    pid: int | None = None
+    note = ""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
+        """Populate what the cell's reads need; return ``{op name: op}``."""
+        raise NotImplementedError
+
+
+class RawTarget(Target):
+    """A minimal uvloop BufferedProtocol pair (:mod:`kvstore.bench.raw`)."""
+
+    name = "raw"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.raw"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        assert self.proc.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            raise RuntimeError(f"raw server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.client = await RawClient.connect(self.port)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.tr.write(HEADER.pack(EXIT, 0, 0))
+            self.client.close()
+        with contextlib.suppress(Exception):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
+        blocks = [memoryview(b) for b in make_blocks(size, batch)]
+        dst = memoryview(bytearray(b"\x01") * (size * batch))
+        c = self.client
+
+        async def up(i: int) -> None:
+            await c.up(blocks)
+
+        async def down(i: int) -> None:
+            await c.down(dst, size, batch)
+
+        return {"up": up, "down": down}
+
+
+class KVStoreTarget(Target):
+    """kvstore-server with the asyncio client (pool of ``pool_size`` connections)."""
+
+    name = "kvstore"
+
+    def __init__(self, capacity: str, pool_size: int = 4, server_args: tuple[str, ...] = ()) -> None:
+        self.capacity = capacity
+        self.pool_size = pool_size
+        self.server_args = server_args
+        self._seq = 0
+
+    async def start(self) -> None:
+        from kvstore.client import AsyncKVClient
+        from kvstore.server.process import ServerProcess
+
+        self.server = ServerProcess("--capacity", self.capacity, "--idle-timeout", "0", "--frame-timeout", "0",
+                                    *self.server_args)
+        await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        assert self.server.proc is not None
+        self.pid = self.server.proc.pid
+        self.client = AsyncKVClient(self.server.addr, namespace="bench", pool_size=self.pool_size, timeout=120)
+        await self.client.connect()
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.server.stop)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.client.stats()
+
+    async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
+        kv = self.client
+        keys = make_keys(f"cell:{size}:{batch}", batch)
+        blocks = make_blocks(size, batch)
+        await kv.put(keys, blocks)
+        dst = [bytearray(b"\x01") * size for _ in range(batch)]  # the caller's buffers, touched once
+
+        async def put(i: int) -> None:
+            # New keys every request (a dedup'd put skips the payload): the store fills up and
+            # evicts, as in service. Hashing 32 keys costs ~30 us, inside the timing.
+            self._seq += 1
+            await kv.put(make_keys(f"put:{self._seq}", batch), blocks)
+
+        async def get(i: int) -> None:
+            out = await kv.get(keys)
+            if None in out:  # a bench bug (evicted), not a slow path
+                raise RuntimeError("kvstore: a benchmark block went missing")
+
+        async def get_into(i: int) -> None:
+            found = await kv.get_into(keys, dst)
+            if not all(found):
+                raise RuntimeError("kvstore: a benchmark block went missing")
+
+        return {"put": put, "get": get, "get_into": get_into}
+
+
+class RedisTarget(Target):
+    """redis-server (no persistence) via redis-py's asyncio client with hiredis, pipelined."""
+
+    name = "redis"
+
+    def __init__(self, executable: str = "redis-server") -> None:
+        self.executable = executable
+
+    @staticmethod
+    def available(executable: str = "redis-server") -> bool:
+        return shutil.which(executable) is not None and importlib.util.find_spec("redis") is not None
+
+    async def start(self) -> None:
+        import redis
+        import redis.asyncio as aredis
+
+        self.dir = tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-")
+        for _ in range(20):
+            port = free_port()
+            self.proc = subprocess.Popen(
+                [self.executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                 "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.client = aredis.Redis(host="127.0.0.1", port=port)
+            for _ in range(100):
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    info = await self.client.info("server")
+                except redis.ConnectionError:
+                    await asyncio.sleep(0.05)
+                    continue
+                if info["process_id"] != self.proc.pid:  # never talk to someone else's server
+                    raise RuntimeError(f"port {port} answered by a redis-server this bench did not start")
+                self.pid = self.proc.pid
+                self.port = port
+                self.version = info.get("redis_version")
+                self.hiredis = redis.utils.HIREDIS_AVAILABLE
+                return
+            await self.client.aclose()
+            self._kill()
+        raise RuntimeError("redis-server did not start")
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+        self._kill()
+        self.dir.cleanup()
+
+    async def memory(self) -> dict[str, int]:
+        info = await self.client.info("memory")
+        return {"used_memory": int(info["used_memory"]), "used_memory_rss": int(info["used_memory_rss"])}
+
+    async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
+        r = self.client
+        keys = make_keys(f"cell:{size}:{batch}", batch)
+        vals = [bytes(b) for b in make_blocks(size, batch)]
+        await r.mset(dict(zip(keys, vals)))
+
+        async def set_(i: int) -> None:
+            if batch == 1:
+                await r.set(keys[0], vals[0])
+                return
+            p = r.pipeline(transaction=False)
+            for k, v in zip(keys, vals):
+                p.set(k, v)
+            await p.execute()
+
+        async def get(i: int) -> None:
+            if batch == 1:
+                out = [await r.get(keys[0])]
+            else:
+                p = r.pipeline(transaction=False)
+                for k in keys:
+                    p.get(k)
+                out = await p.execute()
+            if len(out[-1]) != size:
+                raise RuntimeError("redis: bad reply")
+
+        async def mget(i: int) -> None:
+            out = await r.mget(keys)
+            if len(out[-1]) != size:
+                raise RuntimeError("redis: bad reply")
+
+        return {"set": set_, "get": get, "mget": mget}
+
+
+def lmcache_status() -> tuple[bool, str]:
+    """Whether LMCache's standalone server can be measured here, and why not."""
+    exe = shutil.which("lmcache_server")
+    mod = importlib.util.find_spec("lmcache")
+    if exe is None and mod is None:
+        return False, "LMCache is not installed (no `lmcache` module, no `lmcache_server`): skipped"
+    return False, ("LMCache is installed but its lm:// client is not wired into kvstore-bench yet: skipped "
+                   "(its PUT is unacknowledged and it has no batch op, so a fair pipelined comparison needs care)")
+
+
+async def timed_rounds(op: Op, rounds: int) -> tuple[float, list[int]]:
+    """Run ``rounds`` requests one after another; (wall seconds, per-request ns)."""
+    lat: list[int] = []
+    clock = time.perf_counter_ns
+    t0 = clock()
+    for i in range(rounds):
+        s = clock()
+        await op(i)
+        lat.append(clock() - s)
+    return (clock() - t0) / 1e9, lat

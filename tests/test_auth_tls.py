@@ -1,0 +1,170 @@
+"""Token authentication and TLS against a real kvstore-server process."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import AsyncKVClient
+from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized
+from kvstore.protocol import HEADER, Hello, Ping, Put, encode
+
+TOKEN = "s3cret-global-7f3a"
+NS_TOKEN = "ns-only-91bc"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text(f"# kvstore tokens\n{TOKEN}\n\nllama/*:{NS_TOKEN}\n")
+    return path
+
+
+def frames(*msgs: object) -> bytes:
+    return b"".join(bytes(b) for i, m in enumerate(msgs, 1) for b in encode(m, i))  # type: ignore[arg-type]
+
+
+def put_frame(rid: int) -> bytes:
+    return b"".join(bytes(b) for b in encode(Put(keys=[b"k"], sizes=[1]), rid, [b"x"]))
+
+
+def read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def replies(data: bytes) -> list[tuple[int, int]]:
+    """(op, request id) of each frame in ``data``."""
+    out, pos = [], 0
+    while pos + HEADER.size <= len(data):
+        _, _, op, rid, meta_len, payload_len = HEADER.unpack_from(data, pos)
+        out.append((op, rid))
+        pos += HEADER.size + meta_len + payload_len
+    return out
+
+
+async def test_right_token_works_wrong_or_missing_is_refused(make_server, token_file: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    for token in (None, "", "wrong", TOKEN + "x", TOKEN[:-1]):
+        with pytest.raises(Unauthorized):
+            async with AsyncKVClient(srv.addr, token=token, retries=0):
+                pass
+    async with AsyncKVClient(srv.addr, token=TOKEN, namespace="any") as kv:
+        await kv.put([b"k1"], [b"value"])
+        assert [bytes(b) for b in await kv.get([b"k1"])] == [b"value"]
+        stats = await kv.stats()
+    assert stats["auth_failures"] == 5
+    log = "".join(srv.log)
+    assert "refused HELLO" in log
+    assert TOKEN not in log and "wrong" not in log.replace("wrong token", "")  # tokens never logged
+
+
+def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server, token_file: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(frames(Hello(token="nope"), Ping()) + put_frame(3))
+        got = read_all(s)  # returns: the server closed the connection
+    assert replies(got) == [(0xFF, 1)]  # one error reply, to the HELLO; no PONG, no PUT reply
+    code = struct.unpack_from("!B", got, HEADER.size + got[HEADER.size:].index(b"code") + 4)[0]
+    assert code == Unauthorized.code
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(put_frame(1))  # no HELLO at all
+        assert replies(read_all(s)) == [(0xFF, 1)]
+
+
+async def test_namespace_scoped_token(make_server, token_file: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    async with AsyncKVClient(srv.addr, token=NS_TOKEN, namespace="llama/tp0") as kv:
+        await kv.put([b"k"], [b"v"])
+        assert await kv.lookup([b"k"]) == 1
+        with pytest.raises(Unauthorized):
+            await kv.flush("other")  # its token does not reach other namespaces
+        assert await kv.flush() == 1
+    with pytest.raises(Unauthorized, match="namespace"):
+        async with AsyncKVClient(srv.addr, token=NS_TOKEN, namespace="qwen/tp0", retries=0):
+            pass
+    async with AsyncKVClient(srv.addr, token=TOKEN, namespace="qwen/tp0") as kv:  # the global token does
+        await kv.ping()
+
+
+def test_unreadable_or_empty_token_file_stops_the_server_at_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    for path in (empty, tmp_path / "missing"):
+        r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "1MiB",
+                            "--token-file", str(path)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and r.stderr.startswith("kvstore-server: ") and "Traceback" not in r.stderr
+
+
+async def test_tls_round_trip_and_clean_failures(make_server, tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "16MiB", "--tls-cert", str(tls_files["cert"]),
+                      "--tls-key", str(tls_files["key"]))
+    data = bytes(range(256)) * 4096  # 1 MiB
+    async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), namespace="tls") as kv:
+        await kv.put([b"big"], [data])
+        assert bytes((await kv.get([b"big"]))[0]) == data
+        buf = bytearray(len(data))
+        assert await kv.get_into([b"big"], [buf]) == [True] and buf == data
+    ctx = ssl.create_default_context(cafile=str(tls_files["ca"]))
+    async with AsyncKVClient(srv.addr, tls=ctx, server_hostname="localhost", namespace="tls") as kv:
+        assert await kv.lookup([b"big"]) == 1
+
+    t0 = time.monotonic()
+    with pytest.raises(TransportError):  # plaintext client against TLS: fails, does not hang
+        async with AsyncKVClient(srv.addr, retries=0, connect_timeout=5):
+            pass
+    with pytest.raises(TransportError, match="TLS"):  # TLS with the system CAs: our test CA is unknown
+        async with AsyncKVClient(srv.addr, tls=True, retries=0, connect_timeout=5):
+            pass
+    assert time.monotonic() - t0 < 4
+
+
+async def test_tls_client_against_plaintext_server_fails_cleanly(server, tls_files: dict[str, Path]) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TransportError):
+        async with AsyncKVClient(server.addr, tls=str(tls_files["ca"]), retries=0, connect_timeout=5):
+            pass
+    assert time.monotonic() - t0 < 4
+    async with AsyncKVClient(server.addr) as kv:  # and the server is fine
+        await kv.ping()
+
+
+def test_tls_needs_cert_and_key(tls_files: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "1MiB",
+                        "--tls-cert", str(tls_files["cert"])], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--tls-key" in r.stderr
+
+
+def test_non_loopback_bind_warns_without_auth_or_tls(make_server, token_file: Path) -> None:
+    open_srv = make_server("--capacity", "8MiB", "--host", "0.0.0.0")
+    assert "without --token-file" in open_srv.wait_log("non-loopback")
+    authed = make_server("--capacity", "8MiB", "--host", "0.0.0.0", "--token-file", str(token_file))
+    assert "clear text" in authed.wait_log("tokens travel")
+    assert not any("non-loopback" in line for line in authed.log)
+    local = make_server("--capacity", "8MiB")
+    assert not any("non-loopback" in line or "clear text" in line for line in local.log)
+
+
+async def test_protocol_error_code_is_distinct_from_auth(make_server, token_file: Path) -> None:
+    """Garbage before HELLO is a protocol error (code 9), not an auth failure: the peer learns which."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    writer.write(HEADER.pack(b"KV", 1, 200, 1, 0, 0))
+    data = await asyncio.wait_for(reader.read(4096), 5)
+    writer.close()
+    assert replies(data) == [(0xFF, 0)] and bytes([PROTOCOL_ERROR_CODE]) in data

@@ -1,0 +1,244 @@
+"""Hostile and careless clients against a real kvstore-server: slowloris, floods, fuzz, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import socket
+import time
+from pathlib import Path
+
+import msgpack
+
+from kvstore.client import AsyncKVClient
+from kvstore.errors import Unavailable
+from kvstore.protocol import HEADER, MAGIC, REQUESTS, VERSION, Get, Put, encode
+
+MARKER = b"PAYLOAD-MUST-NOT-BE-LOGGED"
+
+
+def key(i: int, tag: str) -> bytes:
+    return hashlib.sha256(f"{tag}{i}".encode()).digest()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
+    """Read (discarding) until EOF; returns how long that took."""
+    t0 = time.monotonic()
+    while await asyncio.wait_for(reader.read(65536), seconds):
+        pass
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------- timeouts
+
+
+async def test_slowloris_and_idle_connections_are_dropped_while_others_work(make_server) -> None:
+    srv = make_server("--capacity", "64MiB", "--idle-timeout", "2", "--frame-timeout", "1")
+    put = b"".join(bytes(b) for b in encode(Put(keys=[key(1, "slow")], sizes=[1 << 20]), 1, payload_len=1 << 20))
+    async with AsyncKVClient(srv.addr, namespace="good", pool_size=1) as kv:
+        # slowloris: a partial header, then one byte every 0.2 s -- never idle, never a whole frame
+        r1, w1 = await asyncio.open_connection("127.0.0.1", srv.port)
+        w1.write(put[:10])
+
+        async def trickle() -> None:
+            for b in put[10:]:
+                await asyncio.sleep(0.2)
+                if w1.is_closing():
+                    return
+                w1.write(bytes([b]))
+
+        trickler = asyncio.create_task(trickle())
+        r2, w2 = await asyncio.open_connection("127.0.0.1", srv.port)  # silent
+        t0 = time.monotonic()
+        dropped = asyncio.create_task(closed_within(r1, 4))
+        idle = asyncio.create_task(closed_within(r2, 5))
+        while not dropped.done():  # the good client keeps working meanwhile
+            await kv.put([key(int(time.monotonic() * 1000), "g")], [b"ok" * 100])
+            await asyncio.sleep(0.1)
+        assert 0.9 < await dropped < 2.5  # --frame-timeout 1, checked every 0.25 s
+        assert 1.9 < (await idle) + (time.monotonic() - t0 - await idle) < 3.5  # --idle-timeout 2
+        trickler.cancel()
+        for w in (w1, w2):
+            w.close()
+        stats = await kv.stats()  # the good client is still connected: it was never idle for 2 s
+    assert stats["timeouts"] == {"idle": 1, "frame": 1}
+    assert stats["store"]["reserved_bytes"] == 0  # the slowloris' reservation went with it
+    assert stats["namespaces"]["good"]["blocks"] >= 10
+
+
+async def test_a_reply_waiting_to_drain_is_not_idle(make_server) -> None:
+    srv = make_server("--capacity", "96MiB", "--idle-timeout", "1")
+    big = random.Random(3).randbytes(48 << 20)
+    async with AsyncKVClient(srv.addr, namespace="big") as kv:
+        await kv.put([b"big"], [big])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", srv.port))
+    with sock:
+        sock.sendall(b"".join(bytes(b) for b in encode(Get(keys=[b"big"]), 7)))
+        await asyncio.sleep(2.5)  # read nothing for 2.5 idle timeouts: the server is the one waiting
+        got = bytearray()
+        while len(got) < len(big) + HEADER.size:
+            chunk = sock.recv(1 << 20)
+            assert chunk, "the server closed a connection whose reply had not drained"
+            got += chunk
+        meta_len = HEADER.unpack_from(got)[4]
+    assert bytes(got[HEADER.size + meta_len:]) == big
+
+
+# ---------------------------------------------------------------- connection cap
+
+
+async def test_connections_over_the_cap_are_refused_and_the_server_keeps_serving(make_server) -> None:
+    cap = 10
+    srv = make_server("--capacity", "8MiB", "--max-connections", str(cap))
+    clients = [AsyncKVClient(srv.addr, namespace="cap", pool_size=1) for _ in range(cap)]
+    await asyncio.gather(*(c.connect() for c in clients))
+
+    async def refused() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        try:
+            return await asyncio.wait_for(reader.read(), 10)  # the error reply, then EOF
+        finally:
+            writer.close()
+
+    answers = await asyncio.gather(*(refused() for _ in range(220)))
+    for data in answers:
+        _, _, op, rid, meta_len, _ = HEADER.unpack_from(data)
+        meta = msgpack.unpackb(data[HEADER.size:HEADER.size + meta_len])
+        assert (op, rid, meta["code"]) == (0xFF, 0, Unavailable.code) and "limit of 10" in meta["message"]
+    try:
+        async with AsyncKVClient(srv.addr, retries=0) as extra:
+            await extra.ping()
+        raise AssertionError("an 11th client got in")
+    except Unavailable:
+        pass
+    assert all(await asyncio.gather(*(c.ping() for c in clients)))  # the admitted ones still work
+    await clients[0].close()
+    await asyncio.sleep(0.1)
+    async with AsyncKVClient(srv.addr, namespace="cap") as late:  # a freed slot is usable again
+        await late.put([b"k"], [b"v"])
+        stats = await late.stats()
+    await asyncio.gather(*(c.close() for c in clients[1:]))
+    assert stats["connections_rejected"] == 221
+
+
+async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_server) -> None:
+    async def answered_while_not_reading(srv_args: tuple[str, ...]) -> int:
+        srv = make_server("--capacity", "16MiB", *srv_args)
+        async with AsyncKVClient(srv.addr, namespace="bp") as kv:
+            await kv.put([b"blk"], [bytes(1 << 20)])
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.connect(("127.0.0.1", srv.port))
+            with sock:
+                gets = b"".join(bytes(b) for i in range(1, 101) for b in encode(Get(keys=[b"blk"]), i))
+                sock.sendall(gets)  # 100 x 1 MiB replies asked for; none read
+                await asyncio.sleep(0.5)
+                return (await kv.stats())["requests"].get("get", 0)
+
+    unlimited = await answered_while_not_reading(())
+    limited = await answered_while_not_reading(("--max-pending-out", "2MiB"))
+    assert unlimited == 100  # without a tight limit every reply is queued (zero-copy, pinned)
+    assert limited <= 8  # with it, the server stops reading that connection
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+def fuzz_inputs(rng: random.Random, good_frames: list[bytes]) -> bytes:
+    """One hostile input: garbage, lying headers, random metas, mutated or truncated good frames."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 2048))
+    if kind == 1:  # a plausible header that lies about its lengths
+        return HEADER.pack(MAGIC, VERSION, rng.choice(list(REQUESTS)), rng.getrandbits(32),
+                           rng.choice([0, 1, 100, 1 << 20, 1 << 31, rng.getrandbits(32)]),
+                           rng.choice([0, 1, 1 << 20, 1 << 40, rng.getrandbits(64)])) + rng.randbytes(rng.randrange(64))
+    if kind == 2:  # a well-framed request whose meta is a random map
+        meta = msgpack.packb({rng.choice(["keys", "sizes", "checksums", "namespace", "pin", "lease_ms", "unpin",
+                                          "token", "version", "x"]):
+                              rng.choice([None, -1, 0, 2**63, "s", b"k" * rng.randrange(200), [b"k"], [1, 2], {},
+                                          [rng.randbytes(rng.randrange(1, 40)) for _ in range(rng.randrange(5))],
+                                          [rng.randrange(1 << 20) for _ in range(rng.randrange(5))], 1.5, True])
+                              for _ in range(rng.randrange(5))})
+        payload = MARKER * rng.randrange(3)
+        return HEADER.pack(MAGIC, VERSION, rng.choice(list(REQUESTS)), rng.getrandbits(32), len(meta),
+                           len(payload)) + meta + payload
+    frame = bytearray(rng.choice(good_frames))
+    if kind == 3:  # bit flips
+        for _ in range(rng.randrange(1, 8)):
+            frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
+        return bytes(frame)
+    if kind == 4:  # truncated
+        return bytes(frame[:rng.randrange(1, len(frame))])
+    return bytes(frame) * rng.randrange(1, 4)  # valid, repeated (dedup path)
+
+
+async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(make_server) -> None:
+    srv = make_server("--capacity", "64MiB", "--frame-timeout", "1", "--log-format", "json")
+    rng = random.Random(20240611)
+    acked: dict[bytes, bytes] = {}
+    good_frames = [b"".join(bytes(b) for b in encode(Put(keys=[key(i, "fz")], sizes=[64]), i, [MARKER.ljust(64)]))
+                   for i in range(5)] + [b"".join(bytes(b) for b in encode(Get(keys=[key(i, "fz")]), i))
+                                          for i in range(5)]
+    async with AsyncKVClient(srv.addr, namespace="acked-ns-6c1f") as kv:
+        for i in range(40):
+            k, v = key(i, "acked"), MARKER + rng.randbytes(rng.choice([100, 4096, 200_000]))
+            await kv.put([k], [v])
+            acked[k] = v
+        assert await kv.lookup(list(acked), pin=True, lease_ms=600_000) == 40  # eviction may not take them
+        rss_before = rss_kib(srv.proc.pid)
+
+        async def attacker(seed: int, deadline: float) -> int:
+            r = random.Random(seed)
+            sent = 0
+            while time.monotonic() < deadline:
+                try:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+                    for _ in range(r.randrange(1, 4)):
+                        writer.write(fuzz_inputs(r, good_frames))
+                    if r.random() < 0.5:
+                        writer.write_eof()
+                    try:
+                        await asyncio.wait_for(reader.read(1 << 16), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
+                    writer.close()
+                    sent += 1
+                except OSError:  # the server closed first: expected for most inputs
+                    pass
+            return sent
+
+        deadline = time.monotonic() + 6
+        attacks = asyncio.gather(*(attacker(rng.getrandbits(32), deadline) for _ in range(6)))
+        while time.monotonic() < deadline:  # a good client keeps storing and reading meanwhile
+            k, v = key(len(acked), "acked"), MARKER + rng.randbytes(1000)
+            await kv.put([k], [v])
+            acked[k] = v
+            assert bytes((await kv.get([k]))[0]) == v
+        assert sum(await attacks) > 300
+        await asyncio.sleep(1.5)  # stragglers time out
+        keys = list(acked)
+        got = await kv.get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == [acked[k] for k in keys]
+        stats = await kv.stats()
+        rss_after = rss_kib(srv.proc.pid)
+    assert stats["connections"] == 1
+    assert stats["store"]["reserved_bytes"] == 0
+    assert rss_after - rss_before < 96 << 10, (rss_before, rss_after)  # KiB: bounded, no leak per connection
+    assert srv.stop() == 0
+    lines = [json.loads(line) for line in srv.log]  # --log-format json: every line is one JSON event
+    assert all({"ts", "level", "logger", "msg"} <= set(ev) for ev in lines)
+    assert not [ev for ev in lines if ev["level"] in ("error", "critical")], "the fuzz hit an internal error"
+    assert not any(MARKER.decode() in line for line in srv.log)

@@ -1,0 +1,177 @@
+"""``/metrics``, ``/healthz`` and ``/livez`` of a real kvstore-server after known traffic."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import AsyncKVClient
+from kvstore.client.aio import checksum
+from kvstore.protocol import Get, Hello, Lookup, Put, encode
+from kvstore.server.cli import config_from_args
+from kvstore.server.metrics import TIER_METRICS
+from redis_fixtures import redis_server  # noqa: F401  (fixture)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def key(i: int, tag: str) -> bytes:
+    return hashlib.sha256(f"{tag}{i}".encode()).digest()
+
+
+def http(url: str, method: str = "GET") -> tuple[int, str, str]:
+    """(status, content type, body) of one request; error statuses are returned, not raised."""
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def scrape(base: str) -> Samples:
+    status, ctype, body = http(base + "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def frame_len(msg: Any, payload: list[bytes] = ()) -> int:  # type: ignore[assignment]
+    return sum(len(b) for b in encode(msg, 1, payload))
+
+
+async def test_counters_match_known_traffic_exactly(make_server, metrics_url) -> None:
+    srv = make_server("--capacity", "16MiB", "--metrics-port", "0")
+    base = metrics_url(srv)
+    blocks = [b"a" * 1000, b"b" * 2000, b"c" * 3000]
+    keys = [key(i, "m") for i in range(3)]
+    async with AsyncKVClient(srv.addr, namespace="alpha", pool_size=1) as kv:
+        for k, b in zip(keys, blocks):  # exactly 3 puts
+            await kv.put([k], [b])
+        assert await kv.lookup(keys + [key(9, "m")]) == 3  # 3 keys hit, 1 missed
+        assert [bytes(x) for x in await kv.get(keys[:1])] == blocks[:1]
+        during = scrape(base)
+    # a malformed request (an empty key) on a raw socket: one error reply
+    bad = b"".join(bytes(b) for b in encode(Get(keys=[b""]), 5))
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(bad)
+        assert s.recv(4096)[:2] == b"KV"
+    after = scrape(base)
+
+    expected_in = (frame_len(Hello(namespace="alpha", token=None, client="kvstore-py"))
+                   + sum(frame_len(Put(keys=[k], sizes=[len(b)], checksums=[checksum(memoryview(b))]), [b])
+                         for k, b in zip(keys, blocks))
+                   + frame_len(Lookup(keys=keys + [key(9, "m")], pin=False, lease_ms=None))
+                   + frame_len(Get(keys=keys[:1], unpin=False)))
+    assert value(during, "kvstore_bytes_in_total") == expected_in
+    assert value(after, "kvstore_bytes_in_total") == expected_in + len(bad)
+    assert value(during, "kvstore_bytes_out_total") > 1000  # the GET reply carried a 1000-byte block
+    assert value(during, "kvstore_connections") == 1
+    assert value(after, "kvstore_connections") == 0
+    assert value(after, "kvstore_connections_accepted_total") == 2
+    assert value(after, "kvstore_requests_total", op="put") == 3
+    assert value(after, "kvstore_requests_total", op="hello") == 1
+    assert value(after, "kvstore_requests_total", op="lookup") == 1
+    assert ("kvstore_errors_total", frozenset({("op", "put")})) not in after
+    assert value(after, "kvstore_errors_total", op="invalid") == 1
+    assert value(after, "kvstore_namespace_blocks", namespace="alpha") == 3
+    assert value(after, "kvstore_namespace_bytes", namespace="alpha") == 6000
+    assert value(after, "kvstore_blocks") == 3 and value(after, "kvstore_stored_bytes") == 6000
+    assert value(after, "kvstore_stored_blocks_total") == 3
+    assert value(after, "kvstore_lookup_keys_total", result="hit") == 3
+    assert value(after, "kvstore_lookup_keys_total", result="miss") == 1
+    assert value(after, "kvstore_lookup_prefix_hit_ratio") == 0.75
+    assert value(after, "kvstore_capacity_bytes") == 16 << 20
+    assert value(after, "kvstore_pinned_blocks") == 0
+    assert value(after, "kvstore_tier_enabled") == 0
+    assert value(after, "kvstore_request_duration_seconds_count", op="put") == 3
+    assert value(after, "kvstore_request_duration_seconds_bucket", op="put", le="+Inf") == 3
+    assert 0 < value(after, "kvstore_request_duration_seconds_sum", op="put") < 5
+    assert value(after, "process_resident_memory_bytes") > 0
+    assert not any(name in TIER_METRICS for name, _ in after)
+
+
+async def test_evictions_and_pins_are_counted(make_server, metrics_url) -> None:
+    srv = make_server("--capacity", "1MiB", "--metrics-port", "0")
+    base = metrics_url(srv)
+    async with AsyncKVClient(srv.addr, namespace="ev") as kv:
+        first = [key(0, "ev")]
+        await kv.put(first, [bytes(128 << 10)])
+        assert await kv.lookup(first, pin=True) == 1  # pinned: eviction must skip it
+        for i in range(1, 20):
+            await kv.put([key(i, "ev")], [bytes(128 << 10)])
+        stats = await kv.stats()
+        samples = scrape(base)
+    assert stats["store"]["evictions"] >= 12
+    assert value(samples, "kvstore_evictions_total") == stats["store"]["evictions"]
+    assert value(samples, "kvstore_evicted_bytes_total") == stats["store"]["evictions"] * (128 << 10)
+    assert value(samples, "kvstore_pinned_blocks") == 1
+    assert value(samples, "kvstore_leases") == 1
+    assert value(samples, "kvstore_used_bytes") <= 1 << 20
+
+
+def test_health_and_routes(make_server, metrics_url) -> None:
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0")
+    base = metrics_url(srv)
+    status, ctype, body = http(base + "/healthz")
+    assert (status, ctype, json.loads(body)) == (200, "application/json", {"status": "ok", "tier": None})
+    assert http(base + "/livez")[0] == 200
+    assert http(base + "/nope")[0] == 404
+    assert http(base + "/metrics", method="POST")[0] == 405
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=5) as s:
+        s.sendall(b"\x00garbage\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.0 400")
+
+
+def test_healthz_reports_a_down_redis_tier_as_not_ready(make_server, metrics_url) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--redis", f"redis://127.0.0.1:{dead}/0",
+                      "--redis-timeout", "0.5")
+    base = metrics_url(srv)
+    status, _, body = http(base + "/healthz")
+    assert status == 503 and json.loads(body) == {"status": "degraded", "tier": "degraded"}
+    assert http(base + "/livez")[0] == 200  # alive: restarting would not bring Redis back
+    samples = scrape(base)
+    assert value(samples, "kvstore_tier_enabled") == 1 and value(samples, "kvstore_tier_up") == 0
+
+
+async def test_healthz_and_tier_metrics_with_a_live_redis(make_server, metrics_url, redis_server) -> None:
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--redis", redis_server.url,
+                      "--redis-mode", "write-behind")
+    base = metrics_url(srv)
+    status, _, body = http(base + "/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok", "tier": "ok"}
+    async with AsyncKVClient(srv.addr, namespace="t") as kv:
+        await kv.put([key(1, "t")], [b"x" * 100])
+    samples = scrape(base)
+    assert value(samples, "kvstore_tier_up") == 1
+    assert value(samples, "kvstore_tier_state", state="ok", mode="write-behind") == 1
+    assert value(samples, "kvstore_tier_backlog_blocks") >= 0
+    assert value(samples, "kvstore_tier_backlog_bytes") >= 0
+
+
+def test_metrics_port_is_off_by_default(server) -> None:
+    assert not any("metrics served at" in line for line in server.log)
+
+
+@pytest.mark.parametrize("bad", ["-1", "70000", "x"])
+def test_bad_metrics_port_is_a_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        config_from_args(["--metrics-port", bad])
+    assert info.value.code == 2 and "--metrics-port" in capsys.readouterr().err
+    assert config_from_args(["--metrics-port", "off"]).metrics_port is None
+    assert config_from_args(["--metrics-port", "9600"]).metrics_port == 9600

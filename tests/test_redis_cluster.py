@@ -1,0 +1,75 @@
+"""kvstore-servers in front of a real 3-master Redis Cluster (one cluster for the module).
+
+Blocks spread over every master (no hash tags), prefix lookups and gets stay
+correct across slots, and several servers share every block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from kvstore.client import AsyncKVClient
+from kvstore.server.redis_tier import block_key, ns_record_key
+
+from redis_fixtures import RedisClusterProcesses, redis_cluster  # noqa: F401  (fixture)
+
+MEM = "16MiB"
+
+
+def chain(n: int, tag: str) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
+
+
+def blocks(keys: list[bytes], size: int) -> list[bytes]:
+    return [random.Random(k).randbytes(size) for k in keys]
+
+
+def holders(cluster: RedisClusterProcesses, ns: str, keys: list[bytes]) -> list[int]:
+    """Per key, how many masters hold its block (asked of each master directly, no redirects)."""
+    return [sum(node.cli("EXISTS", block_key(ns, k)) == "1" for node in cluster.nodes) for k in keys]
+
+
+async def test_blocks_spread_over_every_master(redis_cluster: RedisClusterProcesses, make_server) -> None:
+    srv = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    keys = chain(48, "spread")
+    data = blocks(keys, 10_000)
+    async with AsyncKVClient(srv.addr, namespace="spread/bf16/tp0") as kv:
+        assert (await kv.put(keys, data)).stored == 48
+        assert (await kv.stats())["tier"]["backend"] == "redis-cluster"
+    per_node = [len(node.cli("--scan", "--pattern", "kvstore:spread/bf16/tp0:*").split()) for node in redis_cluster.nodes]
+    assert all(n > 0 for n in per_node) and sum(per_node) == 48  # every master holds some of one namespace
+    assert all(int(node.cli("DBSIZE")) > 0 for node in redis_cluster.nodes)
+    assert holders(redis_cluster, "spread/bf16/tp0", keys) == [1] * 48
+    record = redis_cluster.nodes[0].cli("-c", "HGET", ns_record_key("spread/bf16/tp0"), "blocks_hint")
+    assert record == "48"
+
+
+async def test_two_servers_share_one_cluster(redis_cluster: RedisClusterProcesses, make_server) -> None:
+    a = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    b = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.nodes[1].addr)  # one startup node is enough
+    keys = chain(30, "shared")
+    data = blocks(keys, 20_000)
+    async with AsyncKVClient(a.addr, namespace="shared") as via_a, \
+            AsyncKVClient(b.addr, namespace="shared") as via_b:
+        await via_a.put(keys, data)
+        assert await via_b.lookup(keys) == 30  # B's memory is empty: found in the cluster, across slots
+        assert await via_b.lookup(chain(3, "absent") + keys) == 0
+        got = await via_b.get(keys[:10])
+        assert [bytes(g) for g in got] == data[:10]
+        st = await via_b.stats()
+        assert st["store"]["blocks"] == 10 and st["tier"]["fetched_blocks"] == 10  # promoted into B
+
+        assert await via_a.delete([keys[17]]) == 1  # gone from A's memory and from the cluster
+        assert holders(redis_cluster, "shared", keys[16:19]) == [1, 0, 1]
+        assert await via_b.lookup(keys) == 17  # B still sees the rest, up to the gap
+        assert (await via_b.get(keys[15:19]))[2] is None
+        assert await via_b.exists(keys[16:19]) == [True, False, True]
+
+        await via_b.put(keys[17:18], data[17:18])  # put back through B: A finds it
+        assert await via_a.lookup(keys) == 30
+
+        assert await via_a.flush() == 30  # SCAN on every master, then DEL
+        assert holders(redis_cluster, "shared", keys) == [0] * 30
+        assert redis_cluster.nodes[0].cli("-c", "EXISTS", ns_record_key("shared")) == "0"
+        assert await via_b.lookup(keys) == 10  # only B's memory copies are left

@@ -1,0 +1,67 @@
+"""One client over several kvstore-servers: rendezvous placement, correctness, one round trip per server."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.client.sharding import Ring
+
+MEM = "16MiB"
+
+
+def chain(n: int, tag: str) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
+
+
+def test_adding_a_fourth_server_moves_a_quarter_of_the_keys_all_to_it() -> None:
+    three = [f"10.0.0.{i}:7600" for i in range(1, 4)]
+    before, after = Ring(three), Ring([*three, "10.0.0.4:7600"])
+    keys = chain(10_000, "ring")
+    moved = [k for k in keys if before.nodes[before.node_of(k)] != after.nodes[after.node_of(k)]]
+    assert 0.2 <= len(moved) / len(keys) <= 0.3
+    assert all(after.nodes[after.node_of(k)] == "10.0.0.4:7600" for k in moved)
+    load = [sum(before.node_of(k) == n for k in keys) for n in range(3)]
+    assert all(abs(n - len(keys) / 3) < 0.05 * len(keys) for n in load)  # evenly spread
+    assert Ring(list(reversed(three))).nodes[Ring(list(reversed(three))).node_of(keys[0])] == \
+        three[before.node_of(keys[0])]  # placement depends on the addresses, not their order
+
+
+async def test_a_chain_spread_over_three_servers(make_server) -> None:
+    servers = [make_server("--capacity", MEM) for _ in range(3)]
+    addrs = [s.addr for s in servers]
+    keys = chain(30, "spread")
+    data = [random.Random(k).randbytes(5000) for k in keys]
+    async with AsyncKVClient(addrs, namespace="sh") as kv:
+        assert (await kv.put(keys, data)).stored == 30
+        per_server = {a: s["namespaces"]["sh"]["blocks"] for a, s in (await kv.stats())["servers"].items()}
+        ring = Ring(addrs)
+        assert per_server == {a: sum(ring.nodes[ring.node_of(k)] == a for k in keys) for a in addrs}
+        assert all(n > 0 for n in per_server.values())
+
+        lookups_before = await lookup_counts(kv)
+        assert await kv.lookup(keys) == 30
+        lookups_after = await lookup_counts(kv)
+        assert {a: lookups_after[a] - lookups_before[a] for a in addrs} == {a: 1 for a in addrs}  # one each
+
+        assert [bytes(g) for g in await kv.get(keys)] == data
+        gap = 17
+        assert await kv.delete([keys[gap], chain(1, "absent")[0]]) == 1
+        assert await kv.lookup(keys) == gap  # the gap is on one server; the others' answers are longer
+        assert await kv.lookup(keys[:gap]) == gap
+        got = await kv.get(keys)
+        assert got[gap] is None and [bytes(g) for g in got[:gap]] == data[:gap]
+        assert await kv.exists(keys[gap - 1:gap + 2]) == [True, False, True]
+        assert await kv.lookup(keys, pin=True) == gap
+        assert await kv.delete(keys) == 29
+        assert await kv.lookup(keys) == 0
+
+    with KVClient(addrs, namespace="sh") as sync:  # the blocking facade shards the same way
+        sync.put(keys[:6], data[:6])
+        assert sync.lookup(keys) == 6 and sync.get(keys[5:7])[1] is None
+
+
+async def lookup_counts(kv: AsyncKVClient) -> dict[str, int]:
+    stats = (await kv.stats())["servers"]
+    return {a: s["requests"].get("lookup", 0) for a, s in stats.items()}
