@@ -104,11 +104,14 @@ class Connection(asyncio.BufferedProtocol):
             self.reading_paused = False
             if self.transport is not None and not self.closing:
                 self.transport.resume_reading()
+                self._process()  # frames that were already buffered when reading paused
         self._update_idle()
 
     # -- frame handling
     def _process(self) -> None:
-        while not self.closing:
+        # Paused by back-pressure: frames already buffered wait too, or one read of small GETs
+        # could queue thousands of pinned replies past max_pending_out.
+        while not self.closing and not self.reading_paused:
             try:
                 event = self.reader.next_event()
             except ProtocolError as exc:
@@ -214,6 +217,8 @@ class Connection(asyncio.BufferedProtocol):
                 self.unsent_refs.extend(refs)  # still referenced by the transport
             else:
                 self.service.release(refs)
+        if self.output_pending and transport.get_write_buffer_size() > self.service.config.max_pending_out:
+            self._pause_reading()  # pause_writing() fired once, at the first unsent byte: re-check on every reply
 
     def _send_error(self, rid: int, name: str, exc: BaseException, t0: float = 0.0) -> None:
         code, message = error_fields(exc)

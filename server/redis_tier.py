@@ -135,6 +135,15 @@ def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
     return nodes
 
 
+def _describe(exc: BaseException) -> str:
+    """A short printable reason: redis-py's pipeline errors quote the failed command, block bytes included."""
+    text = str(exc)
+    if "caused error:" in text:
+        text = text.rsplit("caused error:", 1)[1].strip()
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
 # -- the write-behind queue
 
 
@@ -290,7 +299,7 @@ class RedisTier(Tier):
             self._mark_down(exc)
         else:
             self._mark_up()
-            log.info("redis tier %s: %s, ttl=%ss", self.target, self.mode, self.ttl_s or "none")
+            log.info("redis tier %s: %s, ttl=%s", self.target, self.mode, f"{self.ttl_s}s" if self.ttl_s else "none")
         if not self.write_through:
             self._flusher = asyncio.create_task(self._flush_loop(), name="redis-write-behind")
 
@@ -316,7 +325,7 @@ class RedisTier(Tier):
 
     def _mark_down(self, exc: BaseException) -> None:
         self.counters["failures"] += 1
-        self._last_error = f"{type(exc).__name__}: {exc}"
+        self._last_error = _describe(exc)
         if self._up.is_set() or self._degraded_since is None:
             self._up.clear()
             self._degraded_since = time.time()
@@ -334,10 +343,16 @@ class RedisTier(Tier):
             self._up.set()
 
     async def _ping(self) -> None:
-        if self.cluster:
-            await self.client.ping(target_nodes=RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-        else:
+        if not isinstance(self.client, RedisCluster):
             await self.client.ping()
+            return
+        # Every master must answer *and* see the cluster as ok: a master that just came back
+        # answers PING before the cluster agrees it is up, and writes fail until then.
+        info = await self.client.cluster_info(target_nodes=RedisCluster.PRIMARIES)
+        per_node = {"": info} if "cluster_state" in info else info
+        bad = [node or "cluster" for node, i in per_node.items() if i.get("cluster_state") != "ok"]
+        if bad:
+            raise RedisError(f"cluster_state is not ok on {', '.join(sorted(bad))}")
 
     async def check_health(self) -> None:
         """Probe Redis: notices an outage with no traffic, and a recovery (back-off while degraded)."""
@@ -507,7 +522,7 @@ class RedisTier(Tier):
             raise self._unavailable()
         pattern = f"{KEY_PREFIX}{ns_part(ns)}:*"
         n = 0
-        batch: list[str] = []
+        batch: list[str | bytes] = []
         try:
             async for name in self.client.scan_iter(match=pattern, count=1000):
                 batch.append(name)
@@ -522,7 +537,7 @@ class RedisTier(Tier):
         self._known_ns.discard(ns)
         return n
 
-    async def _delete_names(self, names: list[str | bytes]) -> int:
+    async def _delete_names(self, names: Sequence[str | bytes]) -> int:
         return sum(int(r) for r in await self._execute([("DEL", name) for name in names])) if names else 0
 
     # -- introspection

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ def free_port(with_bus: bool = False) -> int:
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if not with_bus:
             return port
         if port + 10000 < 65536:
@@ -51,30 +52,51 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+def make_cert(directory: Path) -> Path:
+    """A self-signed EC certificate for 127.0.0.1 (``redis.crt``, key beside it as ``redis.key``)."""
+    cert, key = directory / "redis.crt", directory / "redis.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True, timeout=30, check=True)
+    return cert
+
+
 class RedisProcess:
     """One ``redis-server`` on 127.0.0.1; :meth:`cli` runs the real ``redis-cli`` against it."""
 
     def __init__(self, directory: Path, *, port: int | None = None, appendonly: bool = False,
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, password: str | None = None, tls: bool = False) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(with_bus=cluster)
         self.appendonly = appendonly
         self.cluster = cluster
+        self.password = password
+        self.cert = make_cert(self.dir) if tls else None  # self-signed for 127.0.0.1; also the CA
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.cert is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        ports = ["--port", str(self.port)]
+        if self.cert is not None:
+            key = str(self.cert.with_suffix(".key"))
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                     "--tls-key-file", key, "--tls-ca-cert-file", str(self.cert), "--tls-auth-clients", "no"]
+        cmd = [REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir),
                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
                     "--cluster-node-timeout", "5000"]
@@ -89,12 +111,27 @@ class RedisProcess:
         """PONG on a raw socket (not ``-LOADING``): accepting commands, its data loaded."""
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError(f"redis-server on port {self.port} exited; see {self.dir / 'redis.log'}")
+        hello = (f"AUTH {self.password}\r\n" if self.password else "").encode() + b"PING\r\n"
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as raw:
+                if self.cert is None:
+                    return self._ask(raw, hello)
+                tls = ssl.create_default_context(cafile=str(self.cert))
+                with tls.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                    return self._ask(s, hello)
         except OSError:
             return False
+
+    @staticmethod
+    def _ask(s: socket.socket, hello: bytes) -> bool:
+        s.sendall(hello)
+        reply = b""
+        while reply.count(b"\r\n") < hello.count(b"\r\n"):
+            chunk = s.recv(256)
+            if not chunk:
+                return False
+            reply += chunk
+        return reply.endswith(b"+PONG\r\n")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -106,16 +143,24 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(5)
 
+    def cli_args(self) -> list[str]:
+        """How to point the real ``redis-cli`` at this server."""
+        args = [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port)]
+        if self.password:
+            args += ["-a", self.password, "--no-auth-warning"]
+        if self.cert is not None:
+            args += ["--tls", "--cacert", str(self.cert)]
+        return args
+
     def cli(self, *args: str, timeout: float = 10.0) -> str:
         """Run ``redis-cli -p PORT args...``; its stdout, stripped. Raises on a non-zero exit."""
-        done = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
-                              capture_output=True, text=True, timeout=timeout, check=True)
+        done = subprocess.run([*self.cli_args(), *args], capture_output=True, text=True, timeout=timeout,
+                              check=True)
         return done.stdout.strip()
 
     def cli_bytes(self, *args: str, timeout: float = 10.0) -> bytes:
         """Like :meth:`cli` with ``--raw``: the reply bytes as stored (plus redis-cli's newline)."""
-        done = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), "--raw", *args],
-                              capture_output=True, timeout=timeout, check=True)
+        done = subprocess.run([*self.cli_args(), "--raw", *args], capture_output=True, timeout=timeout, check=True)
         return done.stdout
 
 
@@ -158,11 +203,12 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
 
 @pytest.fixture
 def make_redis(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]]:
-    """Start redis-servers with options: ``make_redis(appendonly=True)``."""
+    """Start redis-servers with options: ``make_redis(appendonly=True, password="pw", tls=True)``."""
     started: list[RedisProcess] = []
 
-    def make(*, appendonly: bool = False) -> RedisProcess:
-        proc = RedisProcess(tmp_path / f"redis{len(started)}", appendonly=appendonly).start()
+    def make(*, appendonly: bool = False, password: str | None = None, tls: bool = False) -> RedisProcess:
+        proc = RedisProcess(tmp_path / f"redis{len(started)}", appendonly=appendonly, password=password,
+                            tls=tls).start()
         started.append(proc)
         return proc
 

@@ -78,7 +78,7 @@ async def test_slowloris_and_idle_connections_are_dropped_while_others_work(make
 async def test_a_reply_waiting_to_drain_is_not_idle(make_server) -> None:
     srv = make_server("--capacity", "96MiB", "--idle-timeout", "1")
     big = random.Random(3).randbytes(48 << 20)
-    async with AsyncKVClient(srv.addr, namespace="big") as kv:
+    async with AsyncKVClient(srv.addr) as kv:  # namespace "default": the raw GET below sends no HELLO
         await kv.put([b"big"], [big])
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
@@ -136,14 +136,14 @@ async def test_connections_over_the_cap_are_refused_and_the_server_keeps_serving
 async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_server) -> None:
     async def answered_while_not_reading(srv_args: tuple[str, ...]) -> int:
         srv = make_server("--capacity", "16MiB", *srv_args)
-        async with AsyncKVClient(srv.addr, namespace="bp") as kv:
+        async with AsyncKVClient(srv.addr) as kv:
             await kv.put([b"blk"], [bytes(1 << 20)])
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             sock.connect(("127.0.0.1", srv.port))
             with sock:
                 gets = b"".join(bytes(b) for i in range(1, 101) for b in encode(Get(keys=[b"blk"]), i))
-                sock.sendall(gets)  # 100 x 1 MiB replies asked for; none read
+                sock.sendall(gets)  # 100 x 1 MiB replies asked for in one write; none read
                 await asyncio.sleep(0.5)
                 return (await kv.stats())["requests"].get("get", 0)
 
@@ -186,7 +186,9 @@ def fuzz_inputs(rng: random.Random, good_frames: list[bytes]) -> bytes:
 
 
 async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(make_server) -> None:
-    srv = make_server("--capacity", "64MiB", "--frame-timeout", "1", "--log-format", "json")
+    # Small pages and a 256 KiB block limit: garbage PUTs cannot reserve enough to evict anything.
+    srv = make_server("--capacity", "64MiB", "--page-size", "4KiB", "--max-block", "256KiB", "--frame-timeout", "1",
+                      "--log-format", "json")
     rng = random.Random(20240611)
     acked: dict[bytes, bytes] = {}
     good_frames = [b"".join(bytes(b) for b in encode(Put(keys=[key(i, "fz")], sizes=[64]), i, [MARKER.ljust(64)]))
@@ -227,6 +229,7 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
             await kv.put([k], [v])
             acked[k] = v
             assert bytes((await kv.get([k]))[0]) == v
+            await asyncio.sleep(0.005)
         assert sum(await attacks) > 300
         await asyncio.sleep(1.5)  # stragglers time out
         keys = list(acked)
@@ -236,6 +239,7 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
         rss_after = rss_kib(srv.proc.pid)
     assert stats["connections"] == 1
     assert stats["store"]["reserved_bytes"] == 0
+    assert stats["store"]["evictions"] == 0
     assert rss_after - rss_before < 96 << 10, (rss_before, rss_after)  # KiB: bounded, no leak per connection
     assert srv.stop() == 0
     lines = [json.loads(line) for line in srv.log]  # --log-format json: every line is one JSON event

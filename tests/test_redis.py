@@ -31,6 +31,11 @@ def chain(n: int, tag: str) -> list[bytes]:
     return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
 
 
+def payloads(got: list[bytearray | None]) -> list[bytes | None]:
+    """A get's result as comparable bytes (None stays None)."""
+    return [None if g is None else bytes(g) for g in got]
+
+
 def blocks(keys: list[bytes], size: int) -> list[bytes]:
     return [random.Random(k).randbytes(size) for k in keys]
 
@@ -104,12 +109,12 @@ async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server:
             assert before["store"]["blocks"] == 0
             assert await kv.lookup(keys) == 12  # memory has nothing: the tier extends the prefix
             got = await kv.get(keys[:8])  # memory misses: one pipelined read-through
-            assert [bytes(g) for g in got] == data[:8]
+            assert payloads(got) == data[:8]
             after = await kv.stats()
             assert after["store"]["blocks"] == 8  # promoted into memory by the GET that missed
             assert after["namespaces"][NS]["blocks"] == 8
             assert after["tier"]["fetched_blocks"] == 8 and after["tier"]["state"] == "ok"
-            assert [bytes(g) for g in await kv.get(keys)] == data  # 8 from memory, 4 from Redis
+            assert payloads(await kv.get(keys)) == data  # 8 from memory, 4 from Redis
 
 
 async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: RedisProcess, make_server) -> None:
@@ -123,7 +128,7 @@ async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: 
 
     reader = make_server("--capacity", MEM, "--redis", redis_server.url)  # empty memory: reads through
     async with AsyncKVClient(reader.addr, namespace=NS) as kv:
-        assert bytes((await kv.get(keys[:1]))[0]) == data[0]
+        assert payloads(await kv.get(keys[:1])) == data[:1]
         with pytest.raises(IntegrityError, match="checksum"):
             await kv.get(keys)
     reader.wait_log("fails its checksum")
@@ -138,7 +143,7 @@ async def test_eviction_from_memory_never_deletes_from_redis(redis_server: Redis
             await kv.put(keys[i:i + 3], data[i:i + 3])
         assert (await kv.stats())["store"]["blocks"] < 12  # memory evicted the oldest
         assert all(in_redis(redis_server, NS, keys))
-        assert [bytes(g) for g in await kv.get(keys[:2])] == data[:2]  # served back from Redis
+        assert payloads(await kv.get(keys[:2])) == data[:2]  # served back from Redis
         assert await kv.delete(keys[:1]) == 1  # a DELETE does reach Redis
     assert in_redis(redis_server, NS, keys[:2]) == [False, True]
 
@@ -211,7 +216,7 @@ async def test_redis_down_and_back_under_running_servers(make_redis, make_server
         await eventually(both_degraded, 10, "both servers to report the tier degraded")
         for kv in (a, b):  # memory keeps serving
             assert await kv.lookup(before) == 4
-            assert [bytes(g) for g in await kv.get(before)] == [payload[k] for k in before]
+            assert payloads(await kv.get(before)) == [payload[k] for k in before]
         with pytest.raises(Unavailable, match="redis"):
             await a.put(during, [payload[k] for k in during])  # write-through refuses clearly
         assert await a.exists(during) == [False] * 4  # and keeps nothing unacknowledged
@@ -247,3 +252,17 @@ def test_cli_rejects_bad_redis_settings() -> None:
     assert bad.returncode == 2 and "--redis" in bad.stderr
     mode = run("--redis-mode", "sometimes")
     assert mode.returncode == 2 and "invalid choice" in mode.stderr
+
+
+async def test_rediss_url_with_password_and_db(make_redis, make_server) -> None:
+    redis = make_redis(password="s3cret", tls=True)
+    url = redis.url.replace("/0?", "/2?")  # rediss://:s3cret@127.0.0.1:P/2?ssl_ca_certs=...
+    srv = make_server("--capacity", MEM, "--redis", url)
+    keys = chain(3, "tls")
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        await kv.put(keys, blocks(keys, 1000))
+        tier = (await kv.stats())["tier"]
+    assert tier["state"] == "ok" and tier["target"].startswith("rediss://:***@127.0.0.1:")
+    assert len(redis.cli("-n", "2", "--scan", "--pattern", "kvstore:*").split()) == 3
+    assert redis.cli("-n", "0", "DBSIZE") == "0"
+    assert not any("s3cret" in line for line in srv.log)

@@ -100,6 +100,8 @@ def test_wrong_payloads_are_refused_clearly() -> None:
     assert isinstance(info.value, BlockSizeError) and isinstance(info.value, KVStoreError)
     with pytest.raises(PayloadMismatch):
         dst_bf16.scatter([bytes(payload.numpy()) + b"\0"], [2, 3])
+    with pytest.raises(PayloadMismatch, match="empty"):
+        dst_bf16.scatter([b""], [2, 3])
     # same size, other dtype: only the header can tell
     fp16_caches = make_caches(torch.float16, 1, "zeros")
     dst_fp16 = PagedKVTransfer(fp16_caches, 2)

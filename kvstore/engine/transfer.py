@@ -204,9 +204,10 @@ class PagedKVTransfer:
             tensor = payload
         else:
             view = memoryview(payload).cast("B")
-            # torch.frombuffer warns on read-only memory; copy it rather than risk writes
-            tensor = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8) \
-                if len(view) else torch.empty(0, dtype=torch.uint8)
+            if not len(view):
+                raise PayloadMismatch(f"payload {index} is empty; this cache's offloaded block is {self.payload_size}")
+            # torch.frombuffer warns on read-only memory (e.g. bytes): copy it rather than risk writes
+            tensor = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
         self._check_size(index, tensor.numel())
         header = bytes(tensor[:HEADER_SIZE].cpu().numpy())
         if header != bytes(self._header.numpy()):

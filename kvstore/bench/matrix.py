@@ -1,0 +1,155 @@
+"""The throughput matrix (block size x batch x system op) and the prefix-lookup latencies.
+
+Interleaved: within a cell, every trial runs every system op once, in an order
+rotated from trial to trial, so a burst of background load hits all systems
+alike; the figures are medians over trials.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .common import MiB, fmt_size, make_blocks, make_keys, median, pct, proc_cpu_s, self_cpu_s
+from .targets import KVStoreTarget, Op, RedisTarget, Target, timed_rounds
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Series:
+    """One system op in one cell: a value per trial."""
+
+    system: str
+    op: str
+    size: int
+    batch: int
+    rounds: int
+    gbps: list[float] = field(default_factory=list)
+    p50_us: list[float] = field(default_factory=list)
+    p99_us: list[float] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)  # cores used by the server while measured
+    client_cpu: list[float] = field(default_factory=list)  # cores used by this (client) process
+
+    def summary(self) -> dict[str, Any]:
+        g = median(self.gbps)
+        return {
+            "system": self.system, "op": self.op, "size": self.size, "batch": self.batch, "rounds": self.rounds,
+            "gbps": round(g, 3), "gbps_trials": [round(x, 3) for x in self.gbps],
+            "blocks_per_s": round(g * 1e9 / self.size), "requests_per_s": round(g * 1e9 / self.size / self.batch),
+            "p50_us": round(median(self.p50_us), 1), "p99_us": round(median(self.p99_us), 1),
+            "server_cpu": round(median(self.server_cpu), 2) if self.server_cpu else None,
+            "client_cpu": round(median(self.client_cpu), 2),
+        }
+
+
+def rounds_for(size: int, batch: int, target_bytes: int, min_rounds: int) -> int:
+    return max(min_rounds, target_bytes // (size * batch))
+
+
+async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
+    c0, s0 = self_cpu_s(), proc_cpu_s(target.pid)
+    wall, lat = await timed_rounds(op, rounds)
+    c1, s1 = self_cpu_s(), proc_cpu_s(target.pid)
+    series.gbps.append(series.size * series.batch * rounds / wall / 1e9)
+    series.p50_us.append(pct(lat, 0.50) / 1e3)
+    series.p99_us.append(pct(lat, 0.99) / 1e3)
+    series.client_cpu.append((c1 - c0) / wall)
+    if s0 is not None and s1 is not None:
+        series.server_cpu.append((s1 - s0) / wall)
+
+
+async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int], trials: int,
+                     target_bytes: int, min_rounds: int, log: Log) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for size in sizes:
+        for batch in batches:
+            rounds = rounds_for(size, batch, target_bytes, min_rounds)
+            plan: list[tuple[Target, str, Op, Series]] = []
+            for t in targets:
+                ops = await t.prepare(size, batch, rounds)
+                for name, op in ops.items():
+                    await timed_rounds(op, min(2, rounds))  # warm-up: connections, buffers, caches
+                    plan.append((t, name, op, Series(t.name, name, size, batch, rounds)))
+            for trial in range(trials):
+                k = trial % len(plan)
+                for t, _, op, series in plan[k:] + plan[:k]:
+                    await measure(t, op, rounds, series)
+            for *_, series in plan:
+                s = series.summary()
+                out.append(s)
+                log(f"# {s['system']:8s} {s['op']:8s} {fmt_size(size):>6s} x{batch:<3d} {s['gbps']:7.3f} GB/s "
+                    f"{s['blocks_per_s']:>8d} blocks/s p50={s['p50_us']:9.1f}us p99={s['p99_us']:9.1f}us "
+                    f"srv_cpu={s['server_cpu']} cli_cpu={s['client_cpu']} trials={s['gbps_trials']}")
+    return out
+
+
+async def run_lookups(kv: KVStoreTarget, redis: RedisTarget | None, chains: list[int], reps: int, trials: int,
+                      log: Log) -> list[dict[str, Any]]:
+    """Prefix lookup of a fully present chain of n keys: one request, n keys checked.
+
+    Redis has no prefix call; its nearest equivalent is one pipelined round
+    trip of n EXISTS (which cannot stop at the first miss).
+    """
+    out = []
+    for n in chains:
+        keys = make_keys(f"chain:{n}", n)
+        tiny = make_blocks(64, 1)[0]
+        await kv.client.put(keys, [tiny] * n)
+        ops: list[tuple[str, str, Op]] = []
+
+        async def kv_lookup(i: int, keys: list[bytes] = keys, n: int = n) -> None:
+            m = await kv.client.lookup(keys)
+            if m != n:
+                raise RuntimeError(f"kvstore lookup found {m} of {n}")
+
+        ops.append(("kvstore", "lookup", kv_lookup))
+        if redis is not None:
+            await redis.client.mset({k: bytes(tiny) for k in keys})
+
+            async def redis_exists(i: int, keys: list[bytes] = keys, n: int = n) -> None:
+                if n == 1:
+                    found = [await redis.client.exists(keys[0])]
+                else:
+                    p = redis.client.pipeline(transaction=False)
+                    for k in keys:
+                        p.exists(k)
+                    found = await p.execute()
+                if sum(found) != n:
+                    raise RuntimeError("redis: chain key missing")
+
+            ops.append(("redis", "exists_pipelined", redis_exists))
+        lat: dict[str, list[list[int]]] = {name: [] for name, _, _ in ops}
+        walls: dict[str, list[float]] = {name: [] for name, _, _ in ops}
+        for _, _, op in ops:
+            await timed_rounds(op, 5)
+        for trial in range(trials):
+            order = ops[trial % len(ops):] + ops[:trial % len(ops)]
+            for name, _, op in order:
+                wall, l = await timed_rounds(op, reps)
+                lat[name].append(l)
+                walls[name].append(wall)
+        for name, opname, _ in ops:
+            r = {
+                "system": name, "op": opname, "chain": n, "reps": reps,
+                "p50_us": round(median(pct(l, 0.5) for l in lat[name]) / 1e3, 1),
+                "p99_us": round(median(pct(l, 0.99) for l in lat[name]) / 1e3, 1),
+                "lookups_per_s": round(median(reps / w for w in walls[name])),
+                "round_trips": 1,
+            }
+            out.append(r)
+            log(f"# {name:8s} {opname:16s} chain={n:<5d} p50={r['p50_us']:8.1f}us p99={r['p99_us']:8.1f}us "
+                f"{r['lookups_per_s']} lookups/s")
+    return out
+
+
+async def settle(seconds: float = 0.2) -> None:
+    """A short pause between phases (lets the servers finish pending writes)."""
+    t = time.monotonic() + seconds
+    while time.monotonic() < t:
+        import asyncio
+        await asyncio.sleep(0.02)
+
+
+__all__ = ["run_lookups", "run_matrix", "MiB"]

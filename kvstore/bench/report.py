@@ -1,0 +1,213 @@
+"""Tables, ratios, the target check and the chart of a kvstore-bench run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import GiB, MiB, fmt_size
+
+# Which baseline each kvstore op is compared with.
+RAW_OF = {"put": "up", "get": "down", "get_into": "down"}
+REDIS_OF = {"put": ("set",), "get": ("get", "mget"), "get_into": ("get", "mget")}
+
+
+def index(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int, int], dict[str, Any]]:
+    return {(r["system"], r["op"], r["size"], r["batch"]): r for r in rows}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Annotate kvstore rows with ``vs_raw`` and ``vs_redis`` (best of the Redis ops it is compared with)."""
+    ix = index(rows)
+    for r in rows:
+        if r["system"] != "kvstore" or r["op"] not in RAW_OF:
+            continue
+        raw = ix.get(("raw", RAW_OF[r["op"]], r["size"], r["batch"]))
+        r["vs_raw"] = round(r["gbps"] / raw["gbps"], 2) if raw and raw["gbps"] else None
+        reds = [ix[k] for k in (("redis", o, r["size"], r["batch"]) for o in REDIS_OF[r["op"]]) if k in ix]
+        best = max(reds, key=lambda x: x["gbps"]) if reds else None
+        r["vs_redis"] = round(r["gbps"] / best["gbps"], 2) if best and best["gbps"] else None
+        r["vs_redis_op"] = best["op"] if best else None
+
+
+def _ratio(x: Any) -> str:
+    return f"{x:.2f}x" if isinstance(x, (int, float)) else "-"
+
+
+def _us(x: float) -> str:
+    return f"{x / 1000:.2f}ms" if x >= 1000 else f"{x:.0f}us"
+
+
+def matrix_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'size':>6s} {'batch':>5s}  {'system':8s} {'op':9s} {'GB/s':>7s} {'blocks/s':>9s} {'p50':>8s} "
+            f"{'p99':>8s} {'vs raw':>7s} {'vs redis':>9s} {'srv cpu':>7s} {'cli cpu':>7s}")
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        cell = (r["size"], r["batch"])
+        if last is not None and cell != last:
+            lines.append("")
+        first = cell != last
+        last = cell
+        vs_redis = _ratio(r.get("vs_redis"))
+        if r.get("vs_redis_op"):
+            vs_redis += f"({r['vs_redis_op'][0]})"
+        lines.append(
+            f"{fmt_size(r['size']) if first else '':>6s} {str(r['batch']) if first else '':>5s}  {r['system']:8s} "
+            f"{r['op']:9s} {r['gbps']:7.3f} {r['blocks_per_s']:9d} {_us(r['p50_us']):>8s} {_us(r['p99_us']):>8s} "
+            f"{_ratio(r.get('vs_raw')) if 'vs_raw' in r else '':>7s} {vs_redis if 'vs_redis' in r else '':>9s} "
+            f"{r['server_cpu'] if r['server_cpu'] is not None else '-':>7} {r['client_cpu']:>7}")
+    return "\n".join(lines)
+
+
+def lookup_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'system':8s} {'op':16s} {'chain':>6s} {'p50':>9s} {'p99':>9s} {'lookups/s':>10s} round trips"]
+    for r in rows:
+        lines.append(f"{r['system']:8s} {r['op']:16s} {r['chain']:6d} {_us(r['p50_us']):>9s} {_us(r['p99_us']):>9s} "
+                     f"{r['lookups_per_s']:10d} {r['round_trips']}")
+    return "\n".join(lines)
+
+
+def concurrency_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'op':9s} {'clients':>7s} {'GB/s':>7s} {'vs 1':>6s} {'p50':>8s} {'p99':>8s} {'p99/p50':>7s} "
+             f"{'srv cpu':>7s} {'cli cpu':>7s} {'fairness':>8s}"]
+    for r in rows:
+        lines.append(f"{r['op']:9s} {r['clients']:7d} {r['gbps']:7.3f} {_ratio(r['vs_first']):>6s} "
+                     f"{_us(r['p50_us']):>8s} {_us(r['p99_us']):>8s} {r['p99_over_p50']:7.2f} "
+                     f"{r['server_cpu'] if r['server_cpu'] is not None else '-':>7} {r['client_cpu']:>7} "
+                     f"{r['fairness_min_over_max']:>8}")
+    return "\n".join(lines)
+
+
+def memory_lines(res: dict[str, Any]) -> list[str]:
+    out = []
+    rs = res.get("rss_per_stored_gib")
+    if rs:
+        for name, v in rs.items():
+            if v.get("stored_bytes"):
+                out.append(f"{name:8s} RSS {v['rss'] / MiB:8.0f} MiB for {v['stored_bytes'] / MiB:8.0f} MiB stored "
+                           f"= {v['rss_per_stored_gib']:.2f} GiB RSS per stored GiB")
+    cap = res.get("capacity")
+    if cap:
+        out.append(f"capacity run: {fmt_size(cap['capacity'])} filled {cap['written_bytes'] / cap['capacity']:.1f}x over "
+                   f"({cap['evictions']} evictions): RSS peak {cap['rss_peak'] / MiB:.0f} MiB = "
+                   f"{cap['rss_peak_over_capacity']}x capacity (limit capacity x 1.1 + 64 MiB = "
+                   f"{cap['limit_bytes'] / MiB:.0f} MiB)")
+    sb = res.get("small_blocks")
+    if sb:
+        out.append(f"small blocks: {sb['blocks']} x {fmt_size(sb['block'])}: RSS grows "
+                   f"{sb['rss_growth_per_block']} B per block beyond the pre-faulted arena")
+    ix = res.get("index_overhead")
+    if ix:
+        out.append(f"index (tracemalloc, in-process): {ix['heap_bytes_per_block']} B of Python heap per block "
+                   f"({ix['eviction']}), of which the 32-byte key object is {ix['of_which_key_object']} B")
+    return out
+
+
+# ---------------------------------------------------------------- targets
+
+
+def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured figure and PASS/MISS (None when not measured)."""
+    out: list[dict[str, Any]] = []
+    ix = index(res.get("matrix", []))
+
+    def add(name: str, value: Any, ok: bool | None, detail: str = "") -> None:
+        out.append({"target": name, "value": value, "ok": ok, "detail": detail})
+
+    for size in (1 * MiB, 4 * MiB):
+        for op in ("put", "get_into"):
+            r = ix.get(("kvstore", op, size, 32))
+            if r is None:
+                continue
+            if r.get("vs_raw") is not None:
+                add(f"{op} {fmt_size(size)} x32 >= 0.8x raw", r["vs_raw"], r["vs_raw"] >= 0.8)
+            redis_best = max((ix[k]["gbps"] for k in (("redis", "get", size, 32), ("redis", "mget", size, 32))
+                              if k in ix), default=None)
+            if redis_best:
+                v = round(r["gbps"] / redis_best, 2)
+                add(f"{op} {fmt_size(size)} x32 >= 1.5x redis GET/MGET", v, v >= 1.5)
+    worst = None
+    for r in res.get("matrix", []):
+        if r["system"] == "kvstore" and r.get("vs_redis") is not None:
+            if worst is None or r["vs_redis"] < worst["vs_redis"]:
+                worst = r
+    if worst is not None:
+        add("no cell below 1.0x redis", worst["vs_redis"], worst["vs_redis"] >= 1.0,
+            f"worst: {worst['op']} {fmt_size(worst['size'])} x{worst['batch']} vs redis {worst['vs_redis_op']}")
+    for r in res.get("lookup", []):
+        if r["system"] == "kvstore" and r["chain"] == 1024:
+            add("lookup 1024-key chain p50 <= 1 ms, one round trip", f"{r['p50_us']:.0f}us", r["p50_us"] <= 1000)
+    conc = res.get("concurrency", [])
+    for op in sorted({r["op"] for r in conc}):
+        rows = {r["clients"]: r for r in conc if r["op"] == op}
+        if 64 in rows and 1 in rows:
+            add(f"{op} 64 clients >= 0.8x 1 client", rows[64]["vs_first"], rows[64]["vs_first"] >= 0.8)
+            add(f"{op} 64 clients p99 <= 10x p50", rows[64]["p99_over_p50"], rows[64]["p99_over_p50"] <= 10)
+    cap = res.get("capacity")
+    if cap:
+        add("RSS full <= capacity x 1.1 + 64 MiB", f"{cap['rss_peak'] / MiB:.0f} MiB of {cap['limit_bytes'] / MiB:.0f}",
+            cap["within_limit"])
+    return out
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in rows:
+        mark = "PASS" if t["ok"] else ("MISS" if t["ok"] is not None else "n/a ")
+        lines.append(f"{mark}  {t['target']:48s} {t['value']!s:>12s}  {t['detail']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- chart
+
+
+def draw_chart(res: dict[str, Any], path: str) -> str | None:
+    """Throughput vs block size, one line per system op, a panel per batch size. None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvstore[bench]'): no chart"
+    rows = res["matrix"]
+    batches = sorted({r["batch"] for r in rows})
+    series = sorted({(r["system"], r["op"]) for r in rows})
+    style = {"raw": ("tab:gray", "--"), "kvstore": ("tab:blue", "-"), "redis": ("tab:red", ":")}
+    markers = ["o", "s", "^", "D", "v"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for k, (system, op) in enumerate(series):
+            pts = sorted((r["size"], r["gbps"]) for r in rows if r["system"] == system and r["op"] == op
+                         and r["batch"] == batch)
+            if not pts:
+                continue
+            color, ls = style.get(system, ("tab:green", "-."))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=markers[k % len(markers)],
+                    label=f"{system} {op}", alpha=0.9)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r["size"] for r in rows})
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_size(s) for s in sizes])
+        ax.set_xlabel("block size")
+        ax.set_ylabel("GB/s (1e9 bytes/s)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0][-1].legend(fontsize=8, loc="best")
+    load = res.get("load", {})
+    fig.suptitle(f"kvstore-bench on loopback, {load.get('ncpu')} CPUs, medians of {res['config']['trials']} "
+                 f"interleaved trials (other load {load.get('other_cpu_cores')} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def rss_summary(name: str, rss: int | None, stored: int | None) -> dict[str, Any]:
+    return {"rss": rss, "stored_bytes": stored,
+            "rss_per_stored_gib": round(rss / stored, 3) if rss and stored else None,
+            "note": "" if stored else "nothing stored"}
+
+
+__all__ = ["GiB", "add_ratios", "check_targets", "draw_chart", "matrix_table"]
