@@ -92,6 +92,9 @@ class _Node:
         self._lock = asyncio.Lock()
 
     async def connection(self) -> ClientConnection:
+        for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
+            if not conn.pending and not conn.closed:
+                return conn
         self.conns = [c for c in self.conns if not c.closed]
         idle = [c for c in self.conns if c.in_flight == 0]
         if idle:
@@ -117,8 +120,8 @@ class _Node:
         for attempt in range(attempts):
             try:
                 conn = await self.connection()
-                return await asyncio.wait_for(conn.request(msg, payload, payload_len, make_sink), c.timeout)
-            except asyncio.TimeoutError:
+                return await conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+            except RequestTimeout:
                 raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
             except TransportError:
                 if attempt == attempts - 1:
@@ -193,6 +196,9 @@ class AsyncKVClient:
 
     async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, list[int]], Awaitable[T]]) -> list[tuple[list[int], T]]:
         groups = self._groups(keys)
+        if len(groups) == 1:  # one server: no gather, no task (each costs loop iterations per request)
+            node, idx = groups[0]
+            return [(idx, await fn(node, idx))]
         results = await asyncio.gather(*(fn(node, idx) for node, idx in groups))
         return [(idx, r) for (_, idx), r in zip(groups, results)]
 

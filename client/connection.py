@@ -16,7 +16,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
-from kvstore.errors import KVStoreError, ProtocolError, TransportError, from_code
+from kvstore.errors import KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
 
 SinkFactory = Callable[[dict[str, Any]], PayloadSink]
@@ -134,22 +134,47 @@ class ClientConnection(asyncio.BufferedProtocol):
         return len(self.pending)
 
     async def request(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
-                      make_sink: SinkFactory | None = None) -> Response:
+                      make_sink: SinkFactory | None = None, timeout: float | None = None) -> Response:
+        """Send one request and wait for its reply.
+
+        ``timeout`` (seconds) raises :class:`RequestTimeout` and discards the
+        connection. It is a timer on the reply's future rather than
+        ``asyncio.wait_for``, which costs a task and several loop iterations
+        per request (measured: ~20 us of client CPU per request here).
+        """
         if self.closed or self.transport is None or self.transport.is_closing():
             raise self.close_reason or TransportError("connection is closed")
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self.pending[rid] = _Pending(fut, make_sink)
+        timer = loop.call_later(timeout, self._time_out, fut, timeout) if timeout else None
         try:
             self.transport.writelines(encode(msg, rid, payload, payload_len))
             if self._can_write is not None:
-                await self._can_write
+                try:
+                    await self._can_write
+                except KVStoreError:
+                    if not fut.done():
+                        raise
+                    # else the request's own outcome (e.g. its timeout) is in fut
             return await fut
         except asyncio.CancelledError:
-            # The caller gave up (timeout or cancel): its buffers may still be referenced by
-            # the transport or about to receive bytes. Drop the connection.
+            # The caller gave up: its buffers may still be referenced by the
+            # transport or about to receive bytes. Drop the connection.
             self.abort(TransportError("request cancelled; connection discarded"))
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _time_out(self, fut: asyncio.Future[Any], timeout: float) -> None:
+        if fut.done():
+            return
+        fut.set_exception(RequestTimeout(f"no reply within {timeout}s"))
+        # The reply may still arrive into the caller's buffers: the connection cannot be reused.
+        # Other requests on it fail with a (retryable) TransportError.
+        self.abort(TransportError("a request timed out; connection discarded"))
 
     def abort(self, reason: KVStoreError) -> None:
         if self.close_reason is None:

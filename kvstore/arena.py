@@ -23,6 +23,12 @@ Contract of the primitives:
 - ``views(extent, nbytes)`` returns writable memoryviews covering exactly the
   first ``nbytes`` of the extent, one per run of consecutive pages, in order.
 
+- ``Arena(..., shared=True)`` backs the region with a sealed memfd mapped
+  ``MAP_SHARED`` instead (Linux): ``fd`` can then be passed to a same-host
+  client (SCM_RIGHTS, see ``docs/shm.md``), which maps the very same pages.
+  The memfd is sealed against shrinking and growing, so a client holding the
+  fd cannot truncate it under the server (which would SIGBUS on access).
+
 Cost: ``alloc`` and ``free`` touch a few dicts per run, never each page; the
 only per-page state is one byte in a bytearray (the allocation map that
 catches double frees). Not thread-safe: the server runs it on one event loop.
@@ -31,6 +37,7 @@ catches double frees). Not thread-safe: the server runs it on one event loop.
 from __future__ import annotations
 
 import mmap
+import os
 from bisect import bisect_left, insort
 
 #: The pages of one block: ``(first_page, n_pages)`` runs, never adjacent to
@@ -58,14 +65,45 @@ def _map_region(size: int, prefault: bool) -> mmap.mmap:
     return region
 
 
+def _shared_memfd(size: int) -> int:
+    """A sealed memfd of ``size`` bytes: the shareable backing of a ``shared`` arena.
+
+    Sealed against shrink and grow (and further sealing) so that a client we
+    hand the fd to cannot truncate it: the server would take SIGBUS touching a
+    page past the new end. Close-on-exec: a child process never inherits it.
+    """
+    import fcntl
+
+    fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_shared(fd: int, size: int, prefault: bool) -> mmap.mmap:
+    """Map a memfd ``MAP_SHARED`` read-write, populated up front when asked."""
+    populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 class Arena:
     """``capacity`` bytes of pre-faulted memory split into fixed-size pages."""
 
-    def __init__(self, capacity: int, page_size: int = 64 * 1024, *, prefault: bool = True) -> None:
+    def __init__(self, capacity: int, page_size: int = 64 * 1024, *, prefault: bool = True,
+                 shared: bool = False) -> None:
         """Map and (by default) pre-fault the region.
+
+        Args:
+            shared: back the region with a sealed memfd mapped ``MAP_SHARED``
+                (its descriptor is ``fd``) so same-host clients can map it.
 
         Raises:
             ValueError: ``capacity`` or ``page_size`` is not a positive int.
+            OSError: ``shared`` where memfds are not available.
         """
         for name, value in (("capacity", capacity), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -74,7 +112,15 @@ class Arena:
         self.num_pages: int = max(1, capacity // page_size)
         self.capacity: int = self.num_pages * page_size
         self.free_pages: int = self.num_pages
-        self._region = _map_region(self.capacity, prefault)
+        #: The memfd behind a ``shared`` arena (None otherwise); lives as long as the process.
+        self.fd: int | None = None
+        if shared:
+            if not hasattr(os, "memfd_create"):
+                raise OSError("a shared arena needs memfd_create (Linux)")
+            self.fd = _shared_memfd(self.capacity)
+            self._region = _map_shared(self.fd, self.capacity, prefault)
+        else:
+            self._region = _map_region(self.capacity, prefault)
         self.buffer: memoryview = memoryview(self._region)
         # One byte per page, 1 = allocated: O(run) checks against double frees.
         self._used = bytearray(self.num_pages)

@@ -70,6 +70,9 @@ class ServerConfig:
     max_batch: int = 16384  # keys per request
     max_frame_size: int = 2 << 30  # payload bytes per frame
     max_block: int = 1 << 30  # bytes per block
+    # Same-host transport (docs/shm.md): a Unix socket, and the arena shared over it as a memfd.
+    unix: str | None = None  # path of a Unix socket to listen on too (mode 0660; removed on shutdown)
+    shm: bool = True  # offer the block arena as shared memory on the Unix socket (--no-shm: never)
 
     def limits(self) -> Limits:
         """The codec limits these settings ask for; the meta limit grows with the batch limit."""

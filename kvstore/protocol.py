@@ -213,8 +213,82 @@ class Flush(Message):
             raise InvalidRequest("namespace must be a string")
 
 
+# -- shared memory (same-host clients over the Unix socket; docs/shm.md)
+
+
+def _check_handle(handle: Any) -> None:
+    if type(handle) is not int or not 1 <= handle <= 0xFFFFFFFF:
+        raise InvalidRequest("handle must be an integer in 1..2**32-1")
+
+
+@dataclass(frozen=True)
+class ShmAttach(Message):
+    """Ask for the block arena's memfd. Honoured only on the Unix socket: the
+    reply frame carries the descriptor as SCM_RIGHTS ancillary data."""
+
+    OP: ClassVar[int] = 11
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _no_payload(self, payload_len)
+
+
+@dataclass(frozen=True)
+class ShmGet(_KeysRequest):
+    """Like GET, but present blocks are pinned under a handle and located in the
+    shared arena (``locs``) instead of sent; the client copies, then SHM_RELEASEs."""
+
+    OP: ClassVar[int] = 12
+    keys: list[bytes] = field(default_factory=list)
+    unpin: bool = False
+
+
+@dataclass(frozen=True)
+class ShmPut(Message):
+    """Reserve arena slots for blocks the client will write itself (no payload);
+    they become visible at SHM_COMMIT, and vanish with SHM_RELEASE or the connection."""
+
+    OP: ClassVar[int] = 13
+    keys: list[bytes] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _check_keys(self.keys, limits)
+        _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
+        _no_payload(self, payload_len)
+
+
+@dataclass(frozen=True)
+class ShmCommit(Message):
+    """Publish an SHM_PUT's written slots; ``checksums`` (xxh3-64, one per key of
+    the SHM_PUT, or empty) are computed by the client while it copies."""
+
+    OP: ClassVar[int] = 14
+    handle: int = 0
+    checksums: list[int] = field(default_factory=list)
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _check_handle(self.handle)
+        if not isinstance(self.checksums, list):
+            raise InvalidRequest("checksums must be a list of integers")
+        _check_ints("checksums", self.checksums, len(self.checksums))
+        _no_payload(self, payload_len)
+
+
+@dataclass(frozen=True)
+class ShmRelease(Message):
+    """End an SHM_GET (drop its pins) or abandon an uncommitted SHM_PUT (abort its slots)."""
+
+    OP: ClassVar[int] = 15
+    handle: int = 0
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        _check_handle(self.handle)
+        _no_payload(self, payload_len)
+
+
 REQUESTS: dict[int, type[Message]] = {
-    cls.OP: cls for cls in (Hello, Ping, Put, Lookup, Get, Exists, Delete, Unpin, Stats, Flush)
+    cls.OP: cls for cls in (Hello, Ping, Put, Lookup, Get, Exists, Delete, Unpin, Stats, Flush,
+                            ShmAttach, ShmGet, ShmPut, ShmCommit, ShmRelease)
 }
 
 REPLY_BIT = 0x80

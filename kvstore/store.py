@@ -142,6 +142,11 @@ class Reservation:
         self._extent = extent
         self._open = True
 
+    @property
+    def extent(self) -> Extent:
+        """The arena pages set aside (a shared-memory client is told where to write)."""
+        return self._extent
+
     def __repr__(self) -> str:
         state = "open" if self._open else "closed"
         return f"<Reservation {self.ns!r} {self.key.hex()[:16]} {self.size}B {state}>"
@@ -161,6 +166,11 @@ class BlockRef:
         self._block = block
         self._open = True
 
+    @property
+    def extent(self) -> Extent:
+        """The block's arena pages (a shared-memory client is told where to read)."""
+        return self._block.extent
+
     def __repr__(self) -> str:
         return f"<BlockRef {self.ns!r} {self.key.hex()[:16]} {self.size}B>"
 
@@ -178,8 +188,10 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
         prefault: bool = True,
         max_block_size: int | None = None,
+        shared_arena: bool = False,
     ) -> None:
-        """Map the arena (``capacity`` rounded down to whole pages).
+        """Map the arena (``capacity`` rounded down to whole pages); ``shared_arena``
+        backs it with a memfd that same-host clients can map (:class:`Arena`).
 
         Raises:
             ValueError: unknown ``eviction``, non-positive sizes or ``lease_s``.
@@ -189,7 +201,7 @@ class BlockStore:
             raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
         if max_block_size is not None and max_block_size < 0:
             raise ValueError(f"max_block_size must be >= 0, got {max_block_size}")
-        self._arena = Arena(capacity, page_size, prefault=prefault)
+        self._arena = Arena(capacity, page_size, prefault=prefault, shared=shared_arena)
         self._max_block = self._arena.capacity if max_block_size is None else min(max_block_size, self._arena.capacity)
         self._lease_s = float(lease_s)
         self._clock = clock

@@ -31,10 +31,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-# (pip's notes about local index folders that do not exist are noise here: filtered out)
+# Filtered out of pip's output: notes about configured local index folders that do not exist,
+# and its report that vllm "requires" the packages deliberately left out (and torch 2.14.0).
 pip_install() {
-    "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-        | { grep -v "is neither a file nor a directory" || true; }
+    "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | {
+        grep -v -e "is neither a file nor a directory" -e "^vllm [0-9.]* requires " \
+            -e "dependency resolver does not currently take into account" || true
+    }
 }
 
 say "torch==$TORCH_VERSION (CPU)"
@@ -80,7 +83,7 @@ EOF
 # Constrain torch so that no requirement can replace the CPU build.
 constraints="$(mktemp)"
 trap 'rm -f "$reqs" "$constraints"' EXIT
-"$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$constraints"
+"$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$constraints"
 pip_install -r "$reqs" -c "$constraints"
 
 say "kvstore (editable, test extras)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Any
 
@@ -19,17 +20,30 @@ from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
 from .redis_tier import RedisTier
 from .service import Service
+from .shm import bind_unix_listener, remove_unix_listener
 
 log = logging.getLogger(__name__)
+
+
+def _make_store(config: ServerConfig) -> BlockStore:
+    """The block store; its arena is a shareable memfd when shm will be offered on a Unix socket."""
+    def make(shared: bool) -> BlockStore:
+        return BlockStore(config.capacity, eviction=config.eviction, page_size=config.page_size,
+                          lease_s=config.lease_seconds, prefault=config.prefault, shared_arena=shared)
+
+    if not (config.unix and config.shm):
+        return make(False)
+    try:
+        return make(True)
+    except OSError as exc:  # no memfd here: the Unix socket still works, without shm
+        log.warning("shared memory unavailable (%s): the Unix socket will serve without it", exc)
+        return make(False)
 
 
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = BlockStore(
-            config.capacity, eviction=config.eviction, page_size=config.page_size,
-            lease_s=config.lease_seconds, prefault=config.prefault,
-        )
+        self.store = _make_store(config)
         self.tier = RedisTier.from_config(config)  # None: memory only
         self.service = Service(self.store, config, self.tier)
         self.limits = config.limits()
@@ -40,6 +54,7 @@ class Server:
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.port: int | None = None
+        self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
 
     def _new_connection(self) -> Connection | RejectedConnection:
         if len(self.connections) >= self.config.max_connections:
@@ -59,6 +74,7 @@ class Server:
                                        ssl_handshake_timeout=(self.config.frame_timeout or None) if self.tls else None)
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
+        await self._start_unix()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self._reap_connections()))
         warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
@@ -66,6 +82,23 @@ class Server:
         log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
                  "on" if self.tls else "off", "on" if self.service.auth else "off")
+
+    async def _start_unix(self) -> None:
+        """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""
+        path = self.config.unix
+        if not path:
+            return
+        sock = bind_unix_listener(path)
+        self._unix_inode = os.stat(path).st_ino
+        try:
+            srv = await asyncio.get_running_loop().create_unix_server(self._new_connection, sock=sock, backlog=1024)
+        except BaseException:
+            sock.close()
+            remove_unix_listener(path, self._unix_inode)
+            raise
+        self._servers.append(srv)
+        log.info("unix socket %s (mode 0660) shm=%s", path, "on" if self.service.shm.offered else "off",
+                 extra={"event": "unix_listening", "path": path})
 
     async def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
@@ -96,6 +129,7 @@ class Server:
         while True:
             await asyncio.sleep(1.0)
             self.store.expire_leases()
+            self.service.shm.expire()  # read pins of a client that hangs mid-copy
             if self.tier is not None:
                 await self.tier.check_health()  # notices outages and recoveries (with back-off)
 
@@ -118,6 +152,8 @@ class Server:
         """Stop accepting, let in-flight requests finish (bounded), then close."""
         for srv in self._servers:
             srv.close()
+        if self.config.unix:
+            remove_unix_listener(self.config.unix, self._unix_inode)
         for conn in list(self.connections):
             conn.start_drain()
         pending = [asyncio.create_task(c.idle.wait()) for c in self.connections]

@@ -55,6 +55,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (environment switches)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(
@@ -97,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-batch", int, d.max_batch, "most keys in one request")
     add("--max-frame-size", _size, d.max_frame_size, "most payload bytes in one frame")
     add("--max-block", _size, d.max_block, "most bytes in one block")
+    # same-host transport (docs/shm.md)
+    add("--unix", str, d.unix, "also listen on this Unix socket path (mode 0660, removed on exit); "
+        "same-host clients use unix:PATH and map the block arena over it")
+    p.add_argument("--no-shm", dest="shm", action="store_false", default=not _env_default("no_shm", not d.shm, _bool),
+                   help="never offer the block arena as shared memory on the Unix socket "
+                        f"[env {ENV_PREFIX}NO_SHM=1, default: offered when --unix is set]")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
     return p
 

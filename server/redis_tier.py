@@ -107,7 +107,8 @@ def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
         "namespace": ns,
         "key_pattern": f"{KEY_PREFIX}{ns_part(ns)}:<hex key>",
         "segments": json.dumps(ns.split("/")),  # e.g. ["llama3-8b", "bf16", "tp0"]: model, dtype, rank...
-        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, flags u32, xxh3-64 u64 (big-endian)",
+        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, flags u32, "
+                        "xxh3-64 u64 (big-endian)",
         "ttl_s": str(ttl_s),
     }
 
@@ -348,8 +349,8 @@ class RedisTier(Tier):
             return
         # Every master must answer *and* see the cluster as ok: a master that just came back
         # answers PING before the cluster agrees it is up, and writes fail until then.
-        info = await self.client.cluster_info(target_nodes=RedisCluster.PRIMARIES)
-        per_node = {"": info} if "cluster_state" in info else info
+        info: dict[str, Any] = await self.client.cluster_info(target_nodes=RedisCluster.PRIMARIES)
+        per_node: dict[str, Any] = {"": info} if "cluster_state" in info else info  # one node: not keyed by node
         bad = [node or "cluster" for node, i in per_node.items() if i.get("cluster_state") != "ok"]
         if bad:
             raise RedisError(f"cluster_state is not ok on {', '.join(sorted(bad))}")
@@ -440,7 +441,9 @@ class RedisTier(Tier):
     # -- reads
 
     # Wider than Tier.fetch's ``bytes``: a memoryview into the reply saves a copy of every block.
-    async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, int] | None]:  # type: ignore[override]
+    async def fetch(  # type: ignore[override]
+        self, ns: str, keys: Sequence[bytes]
+    ) -> list[tuple[bytes | memoryview, int] | None]:
         """``(block, checksum)`` per key from the queue or one pipelined round of GETs.
 
         The block is a ``memoryview`` into the reply (no second copy). While

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Union
+
+import xxhash
 
 from kvstore import __version__
 from kvstore.config import ServerConfig
@@ -25,6 +27,9 @@ from kvstore.store import BlockRef, BlockStore, Reservation
 from .auth import Grant, TokenTable
 from .metrics import LatencyHistograms
 from .tier import Tier, TierBlock
+
+if TYPE_CHECKING:
+    from .shm import ShmSession
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ class Session:
     peer: str = ""
     authenticated: bool = True
     grant: Grant | None = None  # the namespaces its token may use (None: no auth configured)
+    unix: bool = False  # came in over the Unix socket (a same-host peer: may map the arena)
+    shm: ShmSession | None = None  # its open shared-memory handles (kvstore.server.shm)
 
 
 @dataclass
@@ -162,6 +169,9 @@ class Service:
         self.counters = Counters()
         self.started = time.time()
         self.auth = TokenTable.load(config.token_file) if config.token_file else None
+        from .shm import ShmService  # imported here: shm builds on this module's PutSink and GetResult
+
+        self.shm = ShmService(self)
 
     # -- session set-up
     def new_session(self) -> Session:
@@ -193,7 +203,8 @@ class Service:
             raise InvalidRequest(f"protocol version {msg.version} is not supported (server speaks {VERSION})")
         self.authorize(session, msg)
         session.namespace = msg.namespace
-        return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace}
+        return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace,
+                **self.shm.hello_fields(session)}
 
     def check_allowed(self, session: Session, msg: Message) -> None:
         if not session.authenticated and not isinstance(msg, (Hello, Ping)):
@@ -204,6 +215,8 @@ class Service:
         return PutSink(self.store, session.namespace, msg, self.tier)
 
     def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
+        if msg.lease_ms is not None and (type(msg.lease_ms) is not int or msg.lease_ms <= 0):
+            raise InvalidRequest(f"lease_ms must be a positive integer, not {msg.lease_ms!r}"[:200])  # found by fuzz
         lease_s = msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds
         n = self.store.lookup(session.namespace, msg.keys, pin=bool(msg.pin), lease_s=lease_s)
         if self.tier is None or n == len(msg.keys):
@@ -253,6 +266,8 @@ class Service:
             data, checksum = item
             res.blocks[i] = [memoryview(data)]
             res.checksums[i] = checksum
+            if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
+                continue  # corrupted in the tier: sent as is so the client reports it, never cached in memory
             try:
                 self.store.put(ns, keys[i], data, checksum, parent=keys[i - 1] if i else None)
             except (CapacityError, TooLarge):
@@ -325,6 +340,7 @@ class Service:
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
             "tier": self.tier.stats() if self.tier is not None else None,
+            "shm": self.shm.stats(),
         }
 
 

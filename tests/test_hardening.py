@@ -147,10 +147,10 @@ async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_se
                 await asyncio.sleep(0.5)
                 return (await kv.stats())["requests"].get("get", 0)
 
-    unlimited = await answered_while_not_reading(())
+    default = await answered_while_not_reading(())  # --max-pending-out 64MiB
     limited = await answered_while_not_reading(("--max-pending-out", "2MiB"))
-    assert unlimited == 100  # without a tight limit every reply is queued (zero-copy, pinned)
-    assert limited <= 8  # with it, the server stops reading that connection
+    assert 60 <= default <= 75  # 64 MiB of replies queued (+ what the socket buffers took), then paused
+    assert limited <= 8  # the server stops reading, and stops parsing what it already read
 
 
 # ---------------------------------------------------------------- fuzz
@@ -206,20 +206,18 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
             r = random.Random(seed)
             sent = 0
             while time.monotonic() < deadline:
+                reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
                 try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
                     for _ in range(r.randrange(1, 4)):
                         writer.write(fuzz_inputs(r, good_frames))
                     if r.random() < 0.5:
                         writer.write_eof()
-                    try:
-                        await asyncio.wait_for(reader.read(1 << 16), 0.05)
-                    except asyncio.TimeoutError:
-                        pass
-                    writer.close()
-                    sent += 1
-                except OSError:  # the server closed first: expected for most inputs
+                    await asyncio.wait_for(reader.read(1 << 16), 0.05)
+                except (OSError, asyncio.TimeoutError):  # the server closed first, or is waiting for more
                     pass
+                finally:
+                    writer.close()
+                sent += 1
             return sent
 
         deadline = time.monotonic() + 6

@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
+
 from kvstore.client import AsyncKVClient
+from kvstore.errors import Unavailable
 from kvstore.server.redis_tier import block_key, ns_record_key
 
-from redis_fixtures import RedisClusterProcesses, redis_cluster  # noqa: F401  (fixture)
+from redis_fixtures import RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
 
 MEM = "16MiB"
 
@@ -42,7 +45,8 @@ async def test_blocks_spread_over_every_master(redis_cluster: RedisClusterProces
     async with AsyncKVClient(srv.addr, namespace="spread/bf16/tp0") as kv:
         assert (await kv.put(keys, data)).stored == 48
         assert (await kv.stats())["tier"]["backend"] == "redis-cluster"
-    per_node = [len(node.cli("--scan", "--pattern", "kvstore:spread/bf16/tp0:*").split()) for node in redis_cluster.nodes]
+    pattern = "kvstore:spread/bf16/tp0:*"
+    per_node = [len(node.cli("--scan", "--pattern", pattern).split()) for node in redis_cluster.nodes]
     assert all(n > 0 for n in per_node) and sum(per_node) == 48  # every master holds some of one namespace
     assert all(int(node.cli("DBSIZE")) > 0 for node in redis_cluster.nodes)
     assert holders(redis_cluster, "spread/bf16/tp0", keys) == [1] * 48
@@ -78,3 +82,35 @@ async def test_two_servers_share_one_cluster(redis_cluster: RedisClusterProcesse
         assert holders(redis_cluster, "shared", keys) == [0] * 30
         assert redis_cluster.nodes[0].cli("-c", "EXISTS", ns_record_key("shared")) == "0"
         assert await via_b.lookup(keys) == 10  # only B's memory copies are left
+
+
+async def test_a_master_down_and_back(redis_cluster: RedisClusterProcesses, make_server) -> None:
+    """Last in the module: the restarted master comes back empty (no persistence)."""
+    wt = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    wb = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec, "--redis-mode", "write-behind")
+    keys = chain(20, "master-down")
+    data = blocks(keys, 2000)
+    async with AsyncKVClient(wt.addr, namespace="md", retries=0) as a, \
+            AsyncKVClient(wb.addr, namespace="md", retries=0) as b:
+        await a.put(keys[:5], data[:5])
+        redis_cluster.nodes[2].stop()
+
+        async def degraded() -> bool:
+            return all([(await kv.stats())["tier"]["state"] == "degraded" for kv in (a, b)])
+
+        await eventually(degraded, 10, "both servers to see the cluster degraded")
+        assert await a.lookup(keys) == 5  # from memory
+        with pytest.raises(Unavailable):
+            await a.put(keys[5:], data[5:])
+        assert (await b.put(keys[5:], data[5:])).stored == 15  # queued
+        redis_cluster.nodes[2].start()
+
+        async def caught_up() -> bool:
+            st = [(await kv.stats())["tier"] for kv in (a, b)]
+            return all(s["state"] == "ok" for s in st) and st[1]["backlog_blocks"] == 0
+
+        await eventually(caught_up, 20, "the cluster to recover and the queue to drain")
+    assert holders(redis_cluster, "md", keys[5:]) == [1] * 15
+    for srv in (wt, wb):
+        assert sum("redis tier degraded" in line for line in srv.log) == 1
+        assert sum("redis tier recovered" in line for line in srv.log) == 1

@@ -80,7 +80,7 @@ def test_prefill_for_remote_decode_stores_every_block(make_engine: Callable[...,
                                                       kvstore_server: ServerProcess, async_scheduling: bool,
                                                       remote_decode: bool) -> None:
     engine = make_engine(kvstore_server.addr, async_scheduling=async_scheduling)
-    kv = KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace)
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace)
 
     # A 12-token request stores one offloaded block: GPU blocks (0, 1, 2).
     first = engine.new_request([0] * 12)
@@ -142,7 +142,7 @@ def test_lookup_is_one_round_trip_per_request(make_engine: Callable[..., Engine]
     assert engine.scheduler.reset_prefix_cache()
     wipe_gpu_cache(engine)
 
-    client = engine.manager._client
+    client = engine.manager.client
     calls = count_calls(client, "lookup", "exists", "unpin")
     asked: list[bytes] = []
     lookup = engine.manager.lookup
@@ -174,7 +174,7 @@ def test_unloaded_hits_are_unpinned_at_step_end(make_engine: Callable[..., Engin
     engine.new_request(prompt)
     engine.run([EOS_TOKEN_ID])
     assert engine.scheduler.reset_prefix_cache()
-    calls = count_calls(engine.manager._client, "lookup", "unpin")
+    calls = count_calls(engine.manager.client, "lookup", "unpin")
 
     # All three blocks are stored and the lookup pins them, but the request may load only one
     # (max_load_tokens): the pins of the other two are dropped when the step ends.
@@ -183,7 +183,7 @@ def test_unloaded_hits_are_unpinned_at_step_end(make_engine: Callable[..., Engin
     assert log.loaded == (0, 1, 2)
     assert calls["lookup"] == [3]
     assert calls["unpin"] == [2]
-    assert _pinned(KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace).stats()) == 0
+    assert _pinned(KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace).stats()) == 0
 
 
 # --------------------------------------------------------------------------- stores and dedup
@@ -219,7 +219,7 @@ def test_flush_on_reset(make_engine: Callable[..., Engine], kvstore_server: Serv
     engine = make_engine(kvstore_server.addr, kvstore_flush_on_reset=True)
     req = engine.new_request(list(range(12)))
     engine.run([EOS_TOKEN_ID])
-    kv = KVClient(kvstore_server.addr, namespace=engine.manager._client.namespace)
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace)
     assert kv.exists([chunk_key(req, 0)]) == [True]
     assert engine.scheduler.reset_prefix_cache(reset_connector=True)
     assert kv.exists([chunk_key(req, 0)]) == [False]

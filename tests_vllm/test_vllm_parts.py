@@ -79,7 +79,8 @@ def test_settings_defaults_and_namespace() -> None:
     settings = KVStoreSettings.from_config(config)
     assert settings.addr == DEFAULT_ADDR
     assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3"
-    assert (settings.token, settings.tls, settings.lease_ms, settings.flush_on_reset) == (None, None, None, False)
+    assert (settings.token, settings.tls, settings.lease_ms) == (None, None, None)
+    assert not settings.flush_on_reset and not settings.remote_decode_dedup
     long_name = default_namespace(offloading_config(model="/models/" + "x" * 300))
     assert long_name.startswith("vllm/") and len(long_name) <= 256
 
@@ -90,10 +91,10 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     settings = KVStoreSettings.from_config(offloading_config({
         "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
-        "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem"}))
+        "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
-    assert settings.flush_on_reset and settings.tls == "/etc/ca.pem"
+    assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
 
 
 @pytest.mark.parametrize("extra", [
@@ -189,6 +190,19 @@ def test_stores_are_deduplicated_against_the_server_and_in_flight(kv: KVClient,
     assert out is not None and out.keys_to_store == chain
 
 
+def test_remote_decode_dedup_touches_instead_of_resending(kv: KVClient, kvstore_server: ServerProcess) -> None:
+    client = KVClient(kvstore_server.addr, namespace="parts")
+    client.connect()
+    m = KVStoreOffloadingManager(client, groups=(GROUP,), blocks_per_chunk=3, remote_decode_dedup=True)
+    chain = keys(3)
+    kv.put([store_key(k, 0) for k in chain[:2]], [b"x", b"y"])
+    lookups = kv.stats()["store"]["lookups"]
+    out = m.prepare_store(chain, context("b", chain, {"do_remote_decode": True}))
+    assert out is not None and out.keys_to_store == chain[2:]
+    assert kv.stats()["store"]["lookups"] == lookups + 1  # the two stored chunks were touched
+    m.shutdown()
+
+
 def test_an_unreachable_server_reads_as_empty(make_server: Any) -> None:
     server = make_server("--capacity", "1MiB")
     m = manager(server.addr)
@@ -207,12 +221,18 @@ NUM_BLOCKS = 16
 PAGE = 64  # bytes of one GPU block of one layer
 
 
-def paged_caches(seed: int | None) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+DEVICES = pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+
+
+def paged_caches(seed: int | None, device: str = "cpu") -> tuple[list[torch.Tensor], CanonicalKVCaches]:
     """Two layers' "GPU" caches as vLLM hands them to a worker: (blocks, page bytes) int8."""
     gen = torch.Generator().manual_seed(seed or 0)
     tensors = [
-        torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen) if seed is not None
-        else torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.int8)
+        (torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen) if seed is not None
+         else torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.int8)).to(device)
         for _ in range(2)
     ]
     canonical = CanonicalKVCaches(
@@ -234,9 +254,11 @@ def finish(w: KVStoreOffloadingWorker, job_id: int) -> None:
     assert (result.job_id, result.success) == (job_id, True)
 
 
-def test_worker_round_trip_with_a_partial_first_chunk(kv: KVClient, kvstore_server: ServerProcess) -> None:
-    src, src_caches = paged_caches(seed=1)
-    dst, dst_caches = paged_caches(seed=None)
+@DEVICES
+def test_worker_round_trip_with_a_partial_first_chunk(kv: KVClient, kvstore_server: ServerProcess,
+                                                      device: str) -> None:
+    src, src_caches = paged_caches(seed=1, device=device)
+    dst, dst_caches = paged_caches(seed=None, device=device)
     chunk = keys(2)
     prefill, decode = worker(kvstore_server.addr, src_caches, rank=1), worker(kvstore_server.addr, dst_caches, rank=1)
 
@@ -251,8 +273,15 @@ def test_worker_round_trip_with_a_partial_first_chunk(kv: KVClient, kvstore_serv
     assert decode.submit_load(2, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([10, 11, 12, 13, 14], [5], [1]))
     finish(decode, 2)
     for s, d in zip(src, dst):
+        s, d = s.cpu(), d.cpu()
         assert torch.equal(d[[10, 11, 12, 13, 14]], s[[6, 7, 2, 3, 4]])
         assert not d[:10].any() and not d[15:].any()  # nothing else written
+
+    # Again, into other blocks: the worker reuses its host buffers.
+    assert decode.submit_load(3, KVStoreLoadStoreSpec(chunk[1:]), GPULoadStoreSpec([0, 1, 15], [3], [3]))
+    finish(decode, 3)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[0, 1, 15]].cpu(), s[[2, 3, 4]].cpu())
     prefill.shutdown()
     decode.shutdown()
 

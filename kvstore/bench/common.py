@@ -92,6 +92,17 @@ def proc_cpu_s(pid: int | None) -> float | None:
         return None
 
 
+def proc_minflt(pid: int | None) -> int | None:
+    """Minor page faults of ``pid`` so far (first touches of fresh memory); None when unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def proc_rss(pid: int | None) -> int | None:
     """Resident set size of ``pid`` in bytes (None when unknown)."""
     if pid is None:

@@ -7,11 +7,11 @@ alike; the figures are medians over trials.
 
 from __future__ import annotations
 
-import time
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .common import MiB, fmt_size, make_blocks, make_keys, median, pct, proc_cpu_s, self_cpu_s
+from .common import fmt_size, make_blocks, make_keys, median, pct, proc_cpu_s, proc_minflt, self_cpu_s
 from .targets import KVStoreTarget, Op, RedisTarget, Target, timed_rounds
 
 Log = Callable[[str], None]
@@ -31,6 +31,8 @@ class Series:
     p99_us: list[float] = field(default_factory=list)
     server_cpu: list[float] = field(default_factory=list)  # cores used by the server while measured
     client_cpu: list[float] = field(default_factory=list)  # cores used by this (client) process
+    server_faults: list[float] = field(default_factory=list)  # minor page faults per 4 KiB of payload
+    client_faults: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         g = median(self.gbps)
@@ -41,6 +43,11 @@ class Series:
             "p50_us": round(median(self.p50_us), 1), "p99_us": round(median(self.p99_us), 1),
             "server_cpu": round(median(self.server_cpu), 2) if self.server_cpu else None,
             "client_cpu": round(median(self.client_cpu), 2),
+            "server_cpu_s_per_gb": round(median(c / g for c, g in zip(self.server_cpu, self.gbps)), 3)
+            if self.server_cpu else None,
+            "client_cpu_s_per_gb": round(median(c / g for c, g in zip(self.client_cpu, self.gbps)), 3),
+            "server_faults_per_page": round(median(self.server_faults), 3) if self.server_faults else None,
+            "client_faults_per_page": round(median(self.client_faults), 3),
         }
 
 
@@ -50,8 +57,15 @@ def rounds_for(size: int, batch: int, target_bytes: int, min_rounds: int) -> int
 
 async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
     c0, s0 = self_cpu_s(), proc_cpu_s(target.pid)
+    f0, g0 = proc_minflt(os.getpid()), proc_minflt(target.pid)
     wall, lat = await timed_rounds(op, rounds)
     c1, s1 = self_cpu_s(), proc_cpu_s(target.pid)
+    f1, g1 = proc_minflt(os.getpid()), proc_minflt(target.pid)
+    pages = series.size * series.batch * rounds / 4096
+    if f0 is not None and f1 is not None:
+        series.client_faults.append((f1 - f0) / pages)
+    if g0 is not None and g1 is not None:
+        series.server_faults.append((g1 - g0) / pages)
     series.gbps.append(series.size * series.batch * rounds / wall / 1e9)
     series.p50_us.append(pct(lat, 0.50) / 1e3)
     series.p99_us.append(pct(lat, 0.99) / 1e3)
@@ -81,7 +95,8 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
                 out.append(s)
                 log(f"# {s['system']:8s} {s['op']:8s} {fmt_size(size):>6s} x{batch:<3d} {s['gbps']:7.3f} GB/s "
                     f"{s['blocks_per_s']:>8d} blocks/s p50={s['p50_us']:9.1f}us p99={s['p99_us']:9.1f}us "
-                    f"srv_cpu={s['server_cpu']} cli_cpu={s['client_cpu']} trials={s['gbps_trials']}")
+                    f"cpu srv={s['server_cpu']} cli={s['client_cpu']} faults/4KiB srv={s['server_faults_per_page']} "
+                    f"cli={s['client_faults_per_page']} trials={s['gbps_trials']}")
     return out
 
 
@@ -142,14 +157,3 @@ async def run_lookups(kv: KVStoreTarget, redis: RedisTarget | None, chains: list
             log(f"# {name:8s} {opname:16s} chain={n:<5d} p50={r['p50_us']:8.1f}us p99={r['p99_us']:8.1f}us "
                 f"{r['lookups_per_s']} lookups/s")
     return out
-
-
-async def settle(seconds: float = 0.2) -> None:
-    """A short pause between phases (lets the servers finish pending writes)."""
-    t = time.monotonic() + seconds
-    while time.monotonic() < t:
-        import asyncio
-        await asyncio.sleep(0.02)
-
-
-__all__ = ["run_lookups", "run_matrix", "MiB"]

@@ -134,8 +134,10 @@ class RawClient(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.pos += nbytes
-        if self.pos >= self.want and self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self.pos >= self.want:
+            self.dst = None  # complete: nothing more is expected
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(None)
 
     async def _wait(self, want: int) -> None:
         if self.lost is not None:
@@ -155,7 +157,6 @@ class RawClient(asyncio.BufferedProtocol):
         self.dst, self.size = dst, size
         self.tr.write(HEADER.pack(DOWN, batch, size))
         await self._wait(size * batch)
-        self.dst = None
 
     def close(self) -> None:
         self.tr.close()

@@ -86,8 +86,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ADDR = "127.0.0.1:7600"
 # The scheduler blocks on its lookups: a dead server must turn into misses
-# quickly, not stall the engine for the client's default 30 s.
+# quickly, not stall the engine for the client's default 30 s. Transfers run in
+# the background and may move hundreds of MB in one request: they get longer.
 DEFAULT_TIMEOUT_S = 5.0
+MIN_TRANSFER_TIMEOUT_S = 30.0
+# Host payload buffers a worker keeps for reuse, per direction (pinned memory is
+# slow to allocate on CUDA).
+BUFFER_POOL_BYTES = 256 << 20
 _MAX_NAMESPACE = 256
 _RANK_BYTES = 2
 
@@ -114,12 +119,18 @@ class KVStoreSettings:
         namespace: ``kvstore_namespace``; default :func:`default_namespace`.
         token: ``kvstore_token``, or the contents of ``kvstore_token_file``.
         tls: ``kvstore_tls``: ``true`` for the system CAs, or a CA file path.
-        timeout: ``kvstore_timeout`` in seconds, per request.
+        timeout: ``kvstore_timeout`` in seconds, per request of the scheduler (a
+            lookup that times out is a miss); the workers' transfers wait at least
+            ``MIN_TRANSFER_TIMEOUT_S``.
         lease_ms: ``kvstore_lease_ms``: how long a lookup's pin protects a block
             from eviction if its load never comes; default the server's.
         flush_on_reset: ``kvstore_flush_on_reset``: make vLLM's connector cache
             reset delete the whole namespace on the server (off by default: the
             store is shared with other engines).
+        remote_decode_dedup: ``kvstore_remote_decode_dedup``: for ``do_remote_decode``
+            requests too, send only the chunks the server lacks, and refresh (touch)
+            the ones it has instead of sending them again. Off by default: such a
+            request stores every chunk, as vLLM's seed semantics say.
     """
 
     addr: str | tuple[str, ...] = DEFAULT_ADDR
@@ -129,6 +140,7 @@ class KVStoreSettings:
     timeout: float = DEFAULT_TIMEOUT_S
     lease_ms: int | None = None
     flush_on_reset: bool = False
+    remote_decode_dedup: bool = False
 
     @classmethod
     def from_config(cls, config: OffloadingConfig) -> KVStoreSettings:
@@ -160,16 +172,20 @@ class KVStoreSettings:
             timeout=float(extra.get("kvstore_timeout", DEFAULT_TIMEOUT_S)),
             lease_ms=None if lease is None else int(lease),
             flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False)),
+            remote_decode_dedup=_parse_bool(extra.get("kvstore_remote_decode_dedup", False)),
         )
 
-    def client(self) -> KVClient:
+    def client(self, timeout: float | None = None) -> KVClient:
         """A connected blocking client.
+
+        Args:
+            timeout: seconds per request; default :attr:`timeout`.
 
         Raises:
             KVStoreError: the server cannot be reached or refuses the token.
         """
         client = KVClient(self.addr, namespace=self.namespace, token=self.token, tls=self.tls,
-                          timeout=self.timeout)
+                          timeout=self.timeout if timeout is None else timeout)
         try:
             client.connect()
         except KVStoreError as exc:
@@ -252,8 +268,11 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     Stores. :meth:`prepare_store` skips chunks that are already stored (one
     EXISTS) or being stored, except for ``do_remote_decode`` requests, which
-    store everything. Eviction is the server's business, so ``evicted_keys`` is
-    always empty and there are no offloading events.
+    store everything: a chunk the server still has is answered "existed", one
+    evicted since the lookup is stored again, so the whole prompt is there when
+    the prefill ends. (``remote_decode_dedup`` trades that resend for a touch.)
+    Eviction is the server's business, so ``evicted_keys`` is always empty and
+    there are no offloading events.
 
     Errors. The store is a cache: an unreachable server makes lookups miss and
     stores be skipped (``prepare_store`` returns ``None``), with a warning.
@@ -270,6 +289,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         blocks_per_chunk: int = 1,
         lease_ms: int | None = None,
         flush_on_reset: bool = False,
+        remote_decode_dedup: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
@@ -279,10 +299,16 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._windowed = frozenset(g.group_id for g in groups if g.sliding_window_size_in_chunks is not None)
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
+        self._remote_decode_dedup = remote_decode_dedup
         self._known: dict[bytes, bool] = {}  # this step's answers
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
         self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
+
+    @property
+    def client(self) -> KVClient:
+        """The manager's connection to the server (its namespace is the engine's)."""
+        return self._client
 
     # -- keys
     def _wire(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -386,10 +412,15 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         todo = [bytes(k) for k in keys if not self._storing[k]]
-        if todo and not _remote_decode(req_context):
+        remote_decode = _remote_decode(req_context)
+        if todo and (self._remote_decode_dedup or not remote_decode):
             try:
                 self.round_trips += 1
                 present = self._client.exists(self._wire(todo))
+                stored = [k for i, k in enumerate(todo) if self._all_ranks(present, i)]
+                if remote_decode and stored:  # the decode engine reads them soon: refresh them
+                    self.round_trips += 1
+                    self._client.lookup(self._wire(stored))
             except KVStoreError as exc:
                 logger.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
                 return None
@@ -445,6 +476,27 @@ class _Part:
     skip: int  # GPU blocks of the first chunk outside the transfer
 
 
+class _BufferPool:
+    """Host payload buffers for reuse by one thread, up to a byte budget."""
+
+    def __init__(self, budget: int = BUFFER_POOL_BYTES) -> None:
+        self._free: dict[PagedKVTransfer, list[torch.Tensor]] = {}
+        self._budget = budget
+        self._bytes = 0
+
+    def take(self, transfer: PagedKVTransfer, n: int) -> list[torch.Tensor]:
+        free = self._free.setdefault(transfer, [])
+        got = [free.pop() for _ in range(min(n, len(free)))]
+        self._bytes -= len(got) * transfer.payload_size
+        return got + transfer.new_payloads(n - len(got))
+
+    def give(self, transfer: PagedKVTransfer, buffers: list[torch.Tensor]) -> None:
+        room = max(0, (self._budget - self._bytes) // max(1, transfer.payload_size))
+        kept = buffers[:room]
+        self._free.setdefault(transfer, []).extend(kept)
+        self._bytes += len(kept) * transfer.payload_size
+
+
 class KVStoreOffloadingWorker(OffloadingWorker):
     """Moves chunks between this worker's paged KV cache and the server.
 
@@ -472,6 +524,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self._device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else torch.device("cpu")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        self._store_buffers = _BufferPool()  # used by the store thread only
+        self._load_buffers = _BufferPool()  # used by the load thread only
         self._jobs: dict[int, Future[TransferResult]] = {}
         self.store_failures = 0  # stores the server refused (for tests and diagnostics)
 
@@ -557,9 +611,13 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                 keys, ids = self._whole_chunks(part)
                 if not keys:
                     continue
-                payloads = part.transfer.gather(ids)
-                self._client.put(keys, [memoryview(p.numpy()) for p in payloads])
-                nbytes += sum(p.numel() for p in payloads)
+                buffers = self._store_buffers.take(part.transfer, len(keys))
+                try:
+                    part.transfer.gather(ids, out=buffers)
+                    self._client.put(keys, [b.numpy().data for b in buffers])
+                finally:  # put has returned: the server has the bytes, or will never get them
+                    self._store_buffers.give(part.transfer, buffers)
+                nbytes += len(keys) * part.transfer.payload_size
         except KVStoreError as exc:
             self.store_failures += 1
             logger.warning("kvstore: store job %d failed, its chunks stay uncached: %s", job_id, exc)
@@ -590,14 +648,18 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             if ready is not None:
                 ready.synchronize()
             for part in parts:
-                buffers = part.transfer.new_payloads(len(part.keys))
-                found = self._client.get_into(part.keys, [memoryview(b.numpy()) for b in buffers], unpin=True)
-                if not all(found):
-                    logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
-                                 found.count(False), len(found))
-                    return TransferResult(job_id=job_id, success=False)
-                part.transfer.scatter(buffers, part.block_ids, skip=part.skip)
-                nbytes += sum(b.numel() for b in buffers)
+                buffers = self._load_buffers.take(part.transfer, len(part.keys))
+                try:
+                    found = self._client.get_into(part.keys, [b.numpy().data for b in buffers],
+                                                  unpin=True)
+                    if not all(found):
+                        logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
+                                     found.count(False), len(found))
+                        return TransferResult(job_id=job_id, success=False)
+                    part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
+                finally:
+                    self._load_buffers.give(part.transfer, buffers)
+                nbytes += len(part.keys) * part.transfer.payload_size
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)
             return TransferResult(job_id=job_id, success=False)
@@ -637,6 +699,7 @@ class KVStoreOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 lease_ms=self.settings.lease_ms,
                 flush_on_reset=self.settings.flush_on_reset,
+                remote_decode_dedup=self.settings.remote_decode_dedup,
             )
         return self._manager
 
@@ -644,7 +707,7 @@ class KVStoreOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             self._worker = KVStoreOffloadingWorker(
                 kv_caches,
-                self.settings.client(),
+                self.settings.client(timeout=max(self.settings.timeout, MIN_TRANSFER_TIMEOUT_S)),
                 blocks_per_chunk=self.blocks_per_chunk,
                 rank=self.config.parallel.rank,
             )

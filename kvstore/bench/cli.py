@@ -1,0 +1,225 @@
+"""``kvstore-bench``: kvstore beside the raw socket limit and Redis, measured in one run.
+
+Starts its own servers on 127.0.0.1 (a raw uvloop receiver, kvstore-server,
+redis-server with persistence off) and stops them by PID. Measures, for each
+block size and batch, interleaved over several trials (medians):
+
+- raw:     ``up`` / ``down``, the same bytes through a minimal uvloop socket pair;
+- kvstore: ``put`` / ``get`` / ``get_into`` with the asyncio client;
+- redis:   pipelined ``SET`` / ``GET`` and ``MGET`` via redis-py + hiredis;
+
+then prefix lookups (chains of 1, 64, 1024 keys), a concurrency sweep, a
+capacity run and the memory overhead per block. Prints tables with
+kvstore/raw and kvstore/redis ratios and the issue's targets, writes JSON and
+a PNG chart. GB = 1e9 bytes; "blocks/s" counts blocks, latencies are per
+request (one batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from .common import GiB, MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
+from .matrix import run_lookups, run_matrix
+from .report import (add_ratios, check_targets, concurrency_table, draw_chart, lookup_table, matrix_table,
+                     memory_lines, rss_summary, targets_table)
+from .sweep import index_overhead, run_capacity, run_concurrency, run_small_blocks
+from .targets import KVStoreTarget, RawTarget, RedisTarget, Target, lmcache_status
+
+PRESETS = {
+    # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks)
+    "quick": (3, 24, 100, 0.6, 64, 10_000),
+    "full": (5, 160, 400, 2.0, 512, 100_000),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer trials and bytes: done in under a minute")
+    p.add_argument("--sizes", default="64k,256k,1m,4m", help="block sizes (k/m binary)")
+    p.add_argument("--batches", default="1,32", help="blocks per request")
+    p.add_argument("--trials", type=int, help="interleaved trials per cell (median reported)")
+    p.add_argument("--target-mib", type=float, help="payload per measurement")
+    p.add_argument("--min-rounds", type=int, default=3, help="requests per measurement at least")
+    p.add_argument("--systems", default="raw,kvstore,redis,lmcache", help="which systems to run")
+    p.add_argument("--capacity", default=None, help="kvstore-server capacity for the matrix (default 1GiB, quick 512MiB)")
+    p.add_argument("--pool-size", type=int, default=4, help="kvstore client connections")
+    p.add_argument("--chains", default="1,64,1024", help="prefix-lookup chain lengths")
+    p.add_argument("--lookup-reps", type=int, help="lookups per trial")
+    p.add_argument("--clients", default="1,8,64", help="concurrency sweep: clients")
+    p.add_argument("--conc-ops", default="get_into,put", help="concurrency sweep: ops")
+    p.add_argument("--conc-size", default="1m", help="concurrency sweep: block size")
+    p.add_argument("--conc-batch", type=int, default=4, help="concurrency sweep: blocks per request")
+    p.add_argument("--conc-seconds", type=float, help="concurrency sweep: seconds per point and trial")
+    p.add_argument("--fill-mib", type=int, help="capacity run: server capacity in MiB")
+    p.add_argument("--small-blocks", type=int, help="memory run: number of 4 KiB blocks")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: matrix,lookup,concurrency,capacity,memory")
+    p.add_argument("--json", default="kvstore-bench.json", help="write the results here ('' = no file)")
+    p.add_argument("--chart", default="kvstore-bench.png", help="write the chart here ('' = no chart)")
+    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    return p
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    preset = PRESETS["quick" if args.quick else "full"]
+    trials = args.trials or preset[0]
+    target_bytes = int((args.target_mib or preset[1]) * MiB)
+    lookup_reps = args.lookup_reps or preset[2]
+    conc_seconds = args.conc_seconds or preset[3]
+    fill_mib = args.fill_mib or preset[4]
+    small_blocks = args.small_blocks if args.small_blocks is not None else preset[5]
+    sizes, batches = parse_sizes(args.sizes), parse_ints(args.batches)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    capacity = args.capacity or ("512MiB" if args.quick else "1GiB")
+    notes: list[str] = []
+    res: dict[str, Any] = {
+        "bench": "kvstore-bench",
+        "config": {"sizes": sizes, "batches": batches, "trials": trials, "target_bytes": target_bytes,
+                   "systems": systems, "capacity": capacity, "pool_size": args.pool_size, "quick": args.quick,
+                   "argv": sys.argv[1:]},
+        "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
+                 "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}},
+        "notes": notes,
+    }
+    meter = LoadMeter()
+    targets: list[Target] = []
+    kv: KVStoreTarget | None = None
+    redis: RedisTarget | None = None
+    try:
+        if "raw" in systems:
+            targets.append(RawTarget())
+        if "kvstore" in systems:
+            kv = KVStoreTarget(capacity, pool_size=args.pool_size)
+            targets.append(kv)
+        if "redis" in systems:
+            if RedisTarget.available(args.redis_server):
+                redis = RedisTarget(args.redis_server)
+                targets.append(redis)
+            else:
+                notes.append(f"redis: `{args.redis_server}` or redis-py not found: skipped")
+        if "lmcache" in systems:
+            notes.append(lmcache_status()[1])
+        for t in targets:
+            await t.start()
+            meter.watch(t.pid)
+        if redis is not None:
+            res["host"]["redis"] = {"version": redis.version, "hiredis": redis.hiredis}
+        for n in notes:
+            _say(f"# note: {n}")
+        if "matrix" not in skip and targets:
+            _say(f"# matrix: sizes {[fmt_size(s) for s in sizes]} batches {batches}, {trials} trials, "
+                 f"{target_bytes / MiB:.0f} MiB per measurement")
+            m0 = LoadMeter([t.pid for t in targets])
+            res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, args.min_rounds, _say)
+            res["matrix_load"] = m0.report()
+            add_ratios(res["matrix"])
+            rss: dict[str, Any] = {}
+            if kv is not None:
+                st = (await kv.stats())["store"]
+                rss["kvstore"] = rss_summary("kvstore", proc_rss(kv.pid), st["bytes"])
+                rss["kvstore"]["capacity"] = st["capacity"]
+            if redis is not None:
+                mem = await redis.memory()
+                stored = sum(s * b for s in sizes for b in batches)  # one batch of keys per cell, overwritten
+                rss["redis"] = rss_summary("redis", mem["used_memory_rss"], stored)
+                rss["redis"]["used_memory"] = mem["used_memory"]
+            res["rss_per_stored_gib"] = rss
+        if "lookup" not in skip and kv is not None:
+            _say(f"# prefix lookup: chains {args.chains}, {lookup_reps} lookups x {trials} trials")
+            res["lookup"] = await run_lookups(kv, redis, parse_ints(args.chains), lookup_reps, trials, _say)
+        for t in targets:  # the rest measures kvstore alone
+            if t is not kv:
+                await t.stop()
+        targets = [kv] if kv is not None else []
+        if "concurrency" not in skip and kv is not None:
+            conc_size = parse_sizes(args.conc_size)[0]
+            _say(f"# concurrency: clients {args.clients}, {fmt_size(conc_size)} x{args.conc_batch}, "
+                 f"{conc_seconds}s per point, {trials} trials")
+            c0 = LoadMeter([kv.pid])
+            res["concurrency"] = await run_concurrency(kv, parse_ints(args.clients), args.conc_ops.split(","),
+                                                       conc_size, args.conc_batch, conc_seconds, trials, _say)
+            res["concurrency_load"] = c0.report()
+        if kv is not None:
+            await kv.stop()
+            targets = []
+        if "capacity" not in skip and "kvstore" in systems:
+            res["capacity"] = await run_capacity(fill_mib * MiB, 256 * 1024, 32, 3.0, _say)
+        if "memory" not in skip and "kvstore" in systems:
+            if small_blocks:
+                res["small_blocks"] = await run_small_blocks(small_blocks, 4096, _say)
+            res["index_overhead"] = index_overhead(min(small_blocks or 10_000, 100_000))
+    finally:
+        for t in targets:
+            try:
+                await t.stop()
+            except Exception as exc:  # keep stopping the others
+                _say(f"# warning: stopping {t.name}: {exc!r}")
+    res["load"] = meter.report()
+    res["targets"] = check_targets(res)
+    return res
+
+
+def print_report(res: dict[str, Any]) -> None:
+    load = res["load"]
+    _say("")
+    _say(f"kvstore-bench  {time.strftime('%Y-%m-%d %H:%M')}  python {res['host']['python']}  "
+         f"{res['host']['ncpu']} CPUs  trials={res['config']['trials']}  "
+         f"redis={res['host'].get('redis', {}).get('version', '-')}")
+    _say(f"load: other work on the machine {load['other_cpu_cores']} cores on average "
+         f"(ours {load['own_cpu_cores']}), loadavg {load['loadavg1_start']} -> {load['loadavg1_end']}, "
+         f"{load['elapsed_s']} s")
+    for n in res["notes"]:
+        _say(f"note: {n}")
+    if res.get("matrix"):
+        _say("\nthroughput (medians; p50/p99 per request of `batch` blocks; cpu = cores used while measured)")
+        _say(matrix_table(res["matrix"]))
+    if res.get("lookup"):
+        _say("\nprefix lookup of a fully present chain")
+        _say(lookup_table(res["lookup"]))
+    if res.get("concurrency"):
+        _say("\nconcurrency (one client process, N asyncio clients, one connection each)")
+        _say(concurrency_table(res["concurrency"]))
+    mem = memory_lines(res)
+    if mem:
+        _say("\nmemory")
+        for line in mem:
+            _say(line)
+    if res.get("targets"):
+        _say("\ntargets")
+        _say(targets_table(res["targets"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    res = runner(run(args))
+    print_report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        _say(f"\nwrote {args.json}")
+    if args.chart and res.get("matrix"):
+        why = draw_chart(res, args.chart)
+        _say(f"# {why}" if why else f"wrote {args.chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

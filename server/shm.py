@@ -1,0 +1,461 @@
+"""Same-host transport: the Unix socket listener and the shared-memory block path.
+
+Why: TCP loopback tops out at a few GB/s because every payload byte crosses
+the kernel twice. A client on the same host can instead map the server's block
+arena itself -- then a get is one ``memcpy`` out of the arena into the
+caller's buffer and a put one ``memcpy`` into a slot the server reserved,
+while only small control frames cross the socket. ``docs/shm.md`` is the
+design note; this module is the server half.
+
+How the arena is shared (the safe way): the arena is a sealed memfd
+(:class:`kvstore.arena.Arena` with ``shared=True``), never a file in
+``/dev/shm`` that other users could open. Its descriptor is passed with
+``SCM_RIGHTS`` over the Unix socket, only in answer to SHM_ATTACH on a
+connection whose HELLO passed the token check, so only an authenticated
+same-host client ever holds it. asyncio/uvloop transports cannot send
+ancillary data, so the reply to SHM_ATTACH is written with ``sendmsg`` on a
+``dup`` of the transport's descriptor (the transport's own buffer being empty,
+the bytes cannot overtake anything).
+
+Safety of the copies:
+
+* SHM_GET pins every block it locates (``BlockStore.acquire``) under a handle;
+  the pins hold until SHM_RELEASE, until the connection closes, or until the
+  lease time (``--lease-seconds``) passes -- and SHM_RELEASE answers
+  ``held: false`` in that last case, so the client knows its copy may be torn
+  and throws it away. Eviction never reuses a pinned slot.
+* SHM_PUT reserves slots (invisible to every read); SHM_COMMIT publishes them.
+  A connection that closes first -- a client killed mid-put -- has its
+  reservations aborted, so no half-written block ever becomes visible.
+  Reservations do not time out: freeing a slot a live client may still be
+  writing would let it scribble over the slot's next owner.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Union
+
+import xxhash
+
+from kvstore.arena import Extent
+from kvstore.errors import CapacityError, InvalidRequest, NotFound, TooLarge, Unauthorized, Unavailable
+from kvstore.protocol import Put, ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease, reply
+from kvstore.store import BlockRef
+
+from .service import Fields, GetResult, PutSink
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .service import Service, Session
+
+log = logging.getLogger(__name__)
+
+#: Mode of the Unix socket file: owner and group may connect, nobody else.
+SOCKET_MODE = 0o660
+
+Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
+
+
+def extent_locs(extent: Extent, size: int, page_size: int) -> Loc:
+    """Where the first ``size`` bytes of ``extent`` lie in the arena, one pair per run."""
+    out: Loc = []
+    left = size
+    for start, n in extent:
+        if left <= 0:
+            break
+        length = min(n * page_size, left)
+        out.append([start * page_size, length])
+        left -= length
+    return out
+
+
+# --------------------------------------------------------------------------- per-connection state
+
+
+@dataclass
+class _GetGrant:
+    """Pins taken by one SHM_GET, held while the client copies."""
+
+    refs: list[BlockRef]
+    deadline: float
+
+
+@dataclass
+class _PutGrant:
+    """Slots reserved by one SHM_PUT, waiting for SHM_COMMIT."""
+
+    sink: PutSink
+
+
+@dataclass(eq=False)
+class ShmSession:
+    """One connection's open handles; everything is undone when the connection closes."""
+
+    grants: dict[int, _GetGrant | _PutGrant] = field(default_factory=dict)
+    next_handle: int = 1
+    closed: bool = False
+
+    def add(self, grant: _GetGrant | _PutGrant) -> int:
+        handle = self.next_handle
+        self.next_handle = handle % 0xFFFFFFFF + 1  # 1..2**32-1, never 0
+        self.grants[handle] = grant
+        return handle
+
+
+@dataclass
+class ShmGetResult(GetResult):
+    """SHM_GET's reply: arena locations for pinned blocks, inline payload for the rest.
+
+    ``blocks`` holds only the inline blocks (fetched from the tier and not
+    promoted into the arena); the pins are held by the grant, not released
+    when the reply is written (``refs`` stays empty).
+    """
+
+    sizes: list[int] = field(default_factory=list)
+    locs: list[Loc | None] = field(default_factory=list)
+    handle: int = 0
+
+    @property
+    def fields(self) -> Fields:
+        return {"sizes": self.sizes, "checksums": self.checksums, "locs": self.locs, "handle": self.handle}
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class ShmService:
+    """The SHM_* ops over the server's store; a no-op shell when shm is not offered."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.store = service.store
+        self.config = service.config
+        self.tier = service.tier
+        self.fd = self.store.arena.fd
+        self.path = getattr(self.config, "unix", None)
+        self.offered = bool(self.path) and bool(getattr(self.config, "shm", True)) and self.fd is not None
+        # Tells a client whether the segment it mapped belongs to the server it talks to
+        # (a restarted server has a new arena; a path on another host is another server).
+        self.instance = os.urandom(8).hex()
+        self.sessions: set[ShmSession] = set()
+        self.counters = {"attached": 0, "refused": 0, "gets": 0, "puts": 0, "commits": 0, "expired": 0,
+                         "aborted_on_close": 0, "inline_blocks": 0}
+
+    # -- helpers
+    def _session(self, session: Session) -> ShmSession:
+        if not self.offered:
+            raise InvalidRequest("this server does not offer shared memory (it needs --unix PATH and no --no-shm)")
+        st: ShmSession | None = session.shm
+        if st is None:
+            st = session.shm = ShmSession()
+            self.sessions.add(st)
+        return st
+
+    def hello_fields(self, session: Session) -> Fields:
+        """What HELLO's reply says about shm: where to attach and which arena it is."""
+        if not self.offered or not self._may_map(session):
+            return {}
+        return {"shm": {"path": self.path, "instance": self.instance, "size": self.store.arena.capacity}}
+
+    @staticmethod
+    def _may_map(session: Session) -> bool:
+        """The mapping shows every namespace's blocks, so only a token valid for all may have it."""
+        return session.grant is None or "*" in session.grant.patterns
+
+    # -- SHM_ATTACH
+    def attach(self, session: Session, transport: asyncio.BaseTransport, request_id: int) -> None:
+        """Answer SHM_ATTACH with the arena's memfd as SCM_RIGHTS ancillary data.
+
+        Raises:
+            InvalidRequest: shm not offered, or not on the Unix socket.
+            Unauthorized: the connection's token is limited to some namespaces.
+            Unavailable: the reply could not be sent with the fd now (retry).
+        """
+        self._session(session)
+        if not session.unix:
+            raise InvalidRequest("SHM_ATTACH is answered only on the Unix socket (--unix)")
+        if not self._may_map(session):
+            self.counters["refused"] += 1
+            raise Unauthorized("the shared arena holds every namespace: mapping it needs a token valid for all ('*')")
+        assert self.fd is not None
+        arena = self.store.arena
+        frame = reply(ShmAttach.OP, request_id, size=arena.capacity, page_size=arena.page_size,
+                      instance=self.instance)
+        send_with_fd(transport, b"".join(frame), self.fd)
+        self.counters["attached"] += 1
+        log.info("shared arena mapped by %s", session.peer, extra={"event": "shm_attach", "peer": session.peer})
+
+    # -- SHM_GET
+    def get(self, session: Session, msg: ShmGet) -> ShmGetResult | Awaitable[ShmGetResult]:
+        """Pin and locate the present blocks; a tier's blocks are promoted first (or sent inline)."""
+        st = self._session(session)
+        ns = session.namespace
+        refs: list[BlockRef | None] = [self.store.acquire(ns, k) for k in msg.keys]
+        if msg.unpin:
+            self.store.unpin(ns, msg.keys)
+        self.counters["gets"] += 1
+        missing = [i for i, r in enumerate(refs) if r is None]
+        if self.tier is None or not missing:
+            return self._grant(st, refs, {})
+        return self._get_tier(st, ns, msg.keys, refs, missing)
+
+    async def _get_tier(self, st: ShmSession, ns: str, keys: list[bytes], refs: list[BlockRef | None],
+                        missing: list[int]) -> ShmGetResult:
+        """Read memory's misses through the tier; promote each into the arena when it can."""
+        assert self.tier is not None
+        try:
+            fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
+        except Unavailable:
+            fetched = [None] * len(missing)
+        inline: dict[int, tuple[memoryview, int]] = {}
+        for i, item in zip(missing, fetched):
+            if item is None:
+                continue
+            data, checksum = memoryview(item[0]).cast("B"), item[1]
+            refs[i] = self._promote(ns, keys[i], data, checksum, keys[i - 1] if i else None)
+            if refs[i] is None:
+                inline[i] = (data, checksum)  # the client still gets it (and checks it) over the socket
+        return self._grant(st, refs, inline)
+
+    def _promote(self, ns: str, key: bytes, data: memoryview, checksum: int, parent: bytes | None) -> BlockRef | None:
+        """Copy a tier block into the arena and pin it; None when it fails its checksum or finds no room.
+
+        A corrupted block is never cached: it goes inline, so the client reports it.
+        """
+        if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
+            return None
+        try:
+            self.store.put(ns, key, data, checksum, parent=parent)
+        except (CapacityError, TooLarge):
+            return None
+        return self.store.acquire(ns, key)
+
+    def _grant(self, st: ShmSession, refs: list[BlockRef | None],
+               inline: dict[int, tuple[memoryview, int]]) -> ShmGetResult:
+        page_size = self.store.arena.page_size
+        res = ShmGetResult(blocks=[], checksums=[], refs=[])
+        held = [r for r in refs if r is not None]
+        for i, ref in enumerate(refs):
+            if ref is not None:
+                res.sizes.append(ref.size)
+                res.checksums.append(ref.checksum)
+                res.locs.append(extent_locs(ref.extent, ref.size, page_size))
+                res.blocks.append(None)
+            elif i in inline:
+                data, checksum = inline[i]
+                res.sizes.append(len(data))
+                res.checksums.append(checksum)
+                res.locs.append(None)
+                res.blocks.append([data])
+            else:
+                res.sizes.append(-1)
+                res.checksums.append(0)
+                res.locs.append(None)
+                res.blocks.append(None)
+        self.counters["inline_blocks"] += len(inline)
+        if held and st.closed:  # the connection went away while the tier answered
+            self._release_refs(held)
+        elif held:
+            res.handle = st.add(_GetGrant(held, time.monotonic() + self.config.lease_seconds))
+        return res
+
+    # -- SHM_PUT / SHM_COMMIT
+    def put(self, session: Session, msg: ShmPut) -> Fields:
+        """Reserve a slot per new key; the client writes them, then commits."""
+        st = self._session(session)
+        sink = PutSink(self.store, session.namespace, Put(keys=msg.keys, sizes=msg.sizes), self.tier)
+        page_size = self.store.arena.page_size
+        locs: list[Loc | None] = []
+        for i, size in enumerate(msg.sizes):
+            views = sink.target(i)
+            res = sink.reservations[i]
+            locs.append(None if views is None or res is None else extent_locs(res.extent, size, page_size))
+        self.counters["puts"] += 1
+        handle = st.add(_PutGrant(sink)) if any(r is not None for r in sink.reservations) else 0
+        fields: Fields = {"handle": handle, "status": sink.status, "locs": locs}
+        if sink.errors:
+            fields["errors"] = {str(i): m for i, m in sink.errors.items()}
+        return fields
+
+    def commit(self, session: Session, msg: ShmCommit) -> Fields | Awaitable[Fields]:
+        """Publish an SHM_PUT's slots with the checksums the client computed while writing.
+
+        Raises:
+            NotFound: no open SHM_PUT has this handle (already committed or released).
+            InvalidRequest: ``checksums`` is neither empty nor one per key.
+        """
+        st = self._session(session)
+        grant = st.grants.get(msg.handle)
+        if not isinstance(grant, _PutGrant):
+            raise NotFound(f"no open SHM_PUT with handle {msg.handle}")
+        del st.grants[msg.handle]
+        sink = grant.sink
+        if msg.checksums and len(msg.checksums) != len(sink.msg.keys):
+            sink.abort()
+            raise InvalidRequest(f"{len(msg.checksums)} checksums for {len(sink.msg.keys)} keys")
+        for i, res in enumerate(sink.reservations):
+            if res is not None and msg.checksums:
+                res.checksum = msg.checksums[i]
+        self.counters["commits"] += 1
+        try:
+            return sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+
+    # -- SHM_RELEASE, expiry, close
+    def release(self, session: Session, msg: ShmRelease) -> Fields:
+        """Drop an SHM_GET's pins (``held``: they lasted until now) or abort an uncommitted SHM_PUT."""
+        st = self._session(session)
+        grant = st.grants.pop(msg.handle, None)
+        if grant is None:
+            return {"held": False}  # expired (or never issued): the client's copy is not to be trusted
+        self._undo(grant)
+        return {"held": True}
+
+    def _undo(self, grant: _GetGrant | _PutGrant) -> None:
+        if isinstance(grant, _GetGrant):
+            self._release_refs(grant.refs)
+        else:
+            grant.sink.abort()
+
+    def _release_refs(self, refs: list[BlockRef]) -> None:
+        for ref in refs:
+            self.store.release(ref)
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop read pins held past their lease (a client that hangs mid-copy); returns how many handles."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for st in self.sessions:
+            for handle in [h for h, g in st.grants.items() if isinstance(g, _GetGrant) and g.deadline <= now]:
+                self._undo(st.grants.pop(handle))
+                n += 1
+        if n:
+            self.counters["expired"] += n
+            log.warning("dropped %d shared-memory read pin set(s) held past --lease-seconds", n,
+                        extra={"event": "shm_pins_expired"})
+        return n
+
+    def end_session(self, session: Session) -> None:
+        """The connection closed: release its pins, abort its reservations (no half-put block survives)."""
+        st: ShmSession | None = session.shm
+        if st is None:
+            return
+        st.closed = True
+        self.sessions.discard(st)
+        grants, st.grants = st.grants, {}
+        for grant in grants.values():
+            if isinstance(grant, _PutGrant):
+                self.counters["aborted_on_close"] += 1
+            self._undo(grant)
+
+    def busy(self, session: Session) -> bool:
+        """A client is mid-copy on this connection (a drain waits for it)."""
+        st: ShmSession | None = session.shm
+        return st is not None and bool(st.grants)
+
+    def stats(self) -> dict[str, Any]:
+        return {"offered": self.offered, "path": self.path if self.offered else None,
+                "open_handles": sum(len(st.grants) for st in self.sessions), **self.counters}
+
+
+# --------------------------------------------------------------------------- the socket side
+
+
+def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None:
+    """Write ``data`` on the transport's socket with ``fd`` attached (SCM_RIGHTS).
+
+    The transport itself cannot carry ancillary data, so this writes on a dup
+    of its descriptor; with the transport's buffer empty nothing can be
+    overtaken. What the kernel does not take at once goes through the
+    transport (the fd rode on the first byte).
+
+    Raises:
+        Unavailable: unsent replies are still queued, or the socket is full.
+    """
+    raw = transport.get_extra_info("socket")
+    write_buffer = getattr(transport, "get_write_buffer_size", lambda: 0)()
+    if raw is None or write_buffer:
+        raise Unavailable("connection busy: send SHM_ATTACH on a fresh connection")
+    dup = socket.socket(fileno=os.dup(raw.fileno()))
+    try:
+        sent = socket.send_fds(dup, [data], [fd])
+    except (BlockingIOError, InterruptedError):
+        raise Unavailable("socket buffer full: retry SHM_ATTACH") from None
+    finally:
+        dup.close()  # closes the dup only; the transport keeps its descriptor
+    if sent < len(data):
+        transport.write(data[sent:])  # type: ignore[attr-defined]
+
+
+def unix_peer(sock: Any) -> str:
+    """``unix:pid=P,uid=U`` from SO_PEERCRED (for logs), or ``unix`` where it is not available."""
+    try:
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+    except (OSError, AttributeError):
+        return "unix"
+    return f"unix:pid={pid},uid={uid}"
+
+
+def bind_unix_listener(path: str) -> socket.socket:
+    """A Unix stream socket bound at ``path``, mode 0660, not listening yet.
+
+    The mode is set between ``bind`` and ``listen``: until ``listen`` no one can
+    connect, so there is no window with looser permissions. A stale socket
+    file (nobody accepts on it) is replaced; a live one is an error.
+
+    Raises:
+        OSError: the path is in use by a live server or is not a socket.
+    """
+    _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, SOCKET_MODE)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _remove_stale(path: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(errno.EEXIST, f"--unix {path}: exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # left behind by a server that died
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"--unix {path}: another server is listening there")
+
+
+def remove_unix_listener(path: str, sock_inode: int | None) -> None:
+    """Unlink the socket file at shutdown, unless it is no longer ours."""
+    try:
+        if sock_inode is None or os.stat(path).st_ino == sock_inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["ShmService", "ShmSession", "bind_unix_listener", "extent_locs", "remove_unix_listener",
+           "send_with_fd", "unix_peer"]

@@ -1,0 +1,146 @@
+"""The real ``kvstore-cli`` console script against a real kvstore-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstore.client import KVClient
+
+CLI = Path(sys.executable).with_name("kvstore-cli")
+KEY = "00112233445566778899aabbccddeeff"
+VALUE = bytes(range(256)) * 8 + b"\x00\n\xff"
+
+
+def cli(*args: str, addr: str | None = None, stdin: bytes = b"", env: dict[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[bytes]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    if addr is not None:
+        full_env["KVSTORE_ADDR"] = addr
+    full_env.update(env or {})
+    return subprocess.run([str(CLI), *args], input=stdin, capture_output=True, env=full_env, timeout=30)
+
+
+def one_error_line(r: subprocess.CompletedProcess[bytes]) -> str:
+    err = r.stderr.decode()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("kvstore-cli: ")
+    return err.strip()
+
+
+def test_the_console_script_is_installed() -> None:
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.decode().startswith("kvstore-cli ")
+
+
+def test_put_get_exists_delete_round_trip_in_hex(server, tmp_path: Path) -> None:
+    r = cli("put", KEY, "--namespace", "dbg", addr=server.addr, stdin=VALUE)  # value from stdin
+    assert r.returncode == 0 and b"stored" in r.stdout
+    r = cli("--namespace", "dbg", "get", KEY, "--hex", addr=server.addr)
+    assert r.returncode == 0 and bytes.fromhex(r.stdout.decode().strip()) == VALUE
+    r = cli("get", f"0x{KEY}", "-n", "dbg", addr=server.addr)  # raw bytes on stdout
+    assert r.returncode == 0 and r.stdout == VALUE
+    out = tmp_path / "block.bin"
+    assert cli("get", KEY, "-n", "dbg", "-o", str(out), addr=server.addr).returncode == 0
+    assert out.read_bytes() == VALUE
+    src = tmp_path / "value.bin"
+    src.write_bytes(b"from a file")
+    assert cli("put", "ab" * 16, str(src), "-n", "dbg", addr=server.addr).returncode == 0
+    with KVClient(server.addr, namespace="dbg") as kv:  # what the CLI stored is what a client reads
+        assert [bytes(b) for b in kv.get([bytes.fromhex(KEY), bytes.fromhex("ab" * 16)])] == [VALUE, b"from a file"]
+    r = cli("exists", KEY, "cd" * 16, "-n", "dbg", addr=server.addr)
+    assert r.returncode == 1 and r.stdout.decode().split("\n")[:2] == [f"{KEY} present", f"{'cd' * 16} missing"]
+    r = cli("delete", KEY, "-n", "dbg", addr=server.addr)
+    assert r.returncode == 0 and "deleted 1 of 1" in r.stdout.decode()
+    r = cli("get", KEY, "-n", "dbg", addr=server.addr)
+    assert r.returncode == 1 and "not found" in one_error_line(r)
+
+
+def test_stats_namespaces_ping_watch(server) -> None:
+    with KVClient(server.addr, namespace="llama/tp0") as kv:
+        kv.put([b"a" * 32, b"b" * 32], [b"x" * 1000, b"y" * 3000])
+    env = {"KVSTORE_NAMESPACE": "llama/tp0"}
+    r = cli("stats", addr=server.addr, env=env)
+    text = r.stdout.decode()
+    assert r.returncode == 0 and "2 in 1 namespace(s)" in text and "memory" in text and "tier" in text
+    r = cli("stats", "--json", addr=server.addr)
+    st = json.loads(r.stdout)
+    assert st["namespaces"]["llama/tp0"] == {"blocks": 2, "bytes": 4000}
+    r = cli("namespaces", addr=server.addr)
+    assert r.returncode == 0
+    header, row = r.stdout.decode().splitlines()
+    assert header.split() == ["NAMESPACE", "BLOCKS", "BYTES"] and row.split()[:2] == ["llama/tp0", "2"]
+    assert json.loads(cli("namespaces", "--json", addr=server.addr).stdout)["llama/tp0"]["bytes"] == 4000
+    r = cli("ping", "-c", "2", addr=server.addr)
+    assert r.returncode == 0 and r.stdout.decode().count("PONG") == 2
+    r = cli("watch", "--interval", "0.2", "--count", "3", addr=server.addr)
+    lines = r.stdout.decode().splitlines()
+    assert r.returncode == 0 and len(lines) == 3 and all("blocks        2" in line for line in lines)
+
+
+def test_flush_asks_first(server) -> None:
+    keys = [bytes([i]) * 32 for i in range(3)]
+    with KVClient(server.addr, namespace="victim") as kv:
+        kv.put(keys, [b"v"] * 3)
+        r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"n\n")
+        assert r.returncode == 1 and "Delete all 3 block(s)" in r.stdout.decode()
+        assert kv.exists(keys) == [True] * 3  # answered "n": nothing deleted
+        r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"")  # EOF is a no too
+        assert r.returncode == 1 and kv.exists(keys) == [True] * 3
+        r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"y\n")
+        assert r.returncode == 0 and kv.exists(keys) == [False] * 3
+        kv.put(keys, [b"v"] * 3)
+        r = cli("--namespace", "victim", "flush", "--yes", addr=server.addr)  # no question asked
+        assert r.returncode == 0 and "flushed 3 block(s)" in r.stdout.decode() and kv.exists(keys) == [False] * 3
+
+
+def test_errors_are_one_readable_line(make_server, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    r = cli("stats", addr=dead)
+    assert r.returncode == 1 and "cannot connect" in one_error_line(r)
+    r = cli("stats", addr="no-port-here")
+    assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
+    for bad in ("xyz", "abc", "", "00" * 129):
+        r = cli("get", bad, addr=dead)  # refused before any connection is tried
+        assert r.returncode == 2 and "key" in one_error_line(r)
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("right-token\n")
+    srv = make_server("--capacity", "8MiB", "--token-file", str(tokens))
+    wrong = tmp_path / "wrong"
+    wrong.write_text("# my token\nwrong-token\n")
+    r = cli("ping", "--token-file", str(wrong), addr=srv.addr)
+    assert r.returncode == 1 and "refused" in one_error_line(r) and "wrong-token" not in r.stderr.decode()
+    r = cli("ping", addr=srv.addr)
+    assert r.returncode == 1 and "refused" in one_error_line(r)
+    assert cli("ping", addr=srv.addr, env={"KVSTORE_TOKEN_FILE": str(tokens)}).returncode == 0
+    r = cli("ping", "--token-file", str(tmp_path / "missing"), addr=srv.addr)
+    assert r.returncode == 1 and "missing" in one_error_line(r)
+    r = cli("bogus-command", addr=srv.addr)
+    assert r.returncode == 2
+
+
+def test_tls_options(make_server, tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "8MiB", "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    r = cli("ping", "--tls-ca", str(tls_files["ca"]), addr=srv.addr)
+    assert r.returncode == 0 and b"PONG" in r.stdout
+    r = cli("ping", addr=srv.addr, env={"KVSTORE_TLS_CA": str(tls_files["ca"]), "KVSTORE_TLS_SERVER_NAME": "localhost"})
+    assert r.returncode == 0
+    r = cli("ping", "--tls", "--timeout", "3", addr=srv.addr)  # system CAs do not know the test CA
+    assert r.returncode == 1 and "TLS" in one_error_line(r)
+
+
+def test_module_entry_point_is_the_same_program(server) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    with KVClient(server.addr, namespace="m") as kv:
+        kv.put([b"k" * 16], [b"v"])
+    r = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "--addr", server.addr, "namespaces", "--json"],
+                       capture_output=True, timeout=30, env=env)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"m": {"blocks": 1, "bytes": 1}}
+    assert r.stdout == cli("namespaces", "--json", addr=server.addr).stdout
