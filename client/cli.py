@@ -19,8 +19,8 @@ from typing import Any, Awaitable, Callable, Sequence, TextIO
 
 from kvstore import __version__
 from kvstore.config import format_size
-from kvstore.errors import KVStoreError, TransportError, Unauthorized
-from kvstore.protocol import MAX_KEY_LEN, MIN_KEY_LEN
+from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
+from kvstore.keys import check_key
 
 from .aio import AsyncKVClient
 
@@ -103,13 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_key(text: str) -> bytes:
     """A block key from hex (``0x`` prefix, spaces and colons allowed)."""
+    shown = text if len(text) <= 40 else text[:37] + "..."
     cleaned = text.strip().removeprefix("0x").replace(":", "").replace(" ", "")
     try:
         key = bytes.fromhex(cleaned)
     except ValueError:
-        raise UsageError(f"not a hex key: {text!r}") from None
-    if not MIN_KEY_LEN <= len(key) <= MAX_KEY_LEN:
-        raise UsageError(f"a key has {MIN_KEY_LEN}..{MAX_KEY_LEN} bytes; {text!r} has {len(key)}")
+        raise UsageError(f"not a hex key: {shown!r}") from None
+    try:
+        check_key(key)
+    except InvalidRequest as exc:
+        raise UsageError(f"bad key {shown!r}: {exc}") from None
     return key
 
 
@@ -158,7 +161,8 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         f"blocks      {store.get('blocks', 0)} in {len(st.get('namespaces', {}))} namespace(s), "
         f"{format_size(store.get('bytes', 0))} of payload, {store.get('pinned_blocks', 0)} pinned",
         f"evictions   {store.get('evictions', 0)} ({format_size(store.get('evicted_bytes', 0))})",
-        f"lookups     {store.get('lookups', 0)}: {hit} keys hit, {miss} missed (prefix hit ratio {_pct(hit, hit + miss)})",
+        f"lookups     {store.get('lookups', 0)}: {hit} keys hit, {miss} missed "
+        f"(prefix hit ratio {_pct(hit, hit + miss)})",
         f"requests    {sum(req.values())} ({', '.join(f'{k} {v}' for k, v in sorted(req.items())) or 'none'}), "
         f"{sum(err.values())} errors",
         f"traffic     {format_size(st.get('bytes_in', 0))} in, {format_size(st.get('bytes_out', 0))} out",

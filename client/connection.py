@@ -190,26 +190,30 @@ class ClientConnection(asyncio.BufferedProtocol):
 
 
 async def open_connection(host: str, port: int, *, namespace: str, token: str | None, tls: ssl.SSLContext | None,
-                          limits: Limits, timeout: float, server_hostname: str | None = None) -> ClientConnection:
+                          limits: Limits, timeout: float, server_hostname: str | None = None,
+                          unix: str | None = None) -> ClientConnection:
+    """Connect (to ``unix`` when given: a Unix socket path, no TLS) and say HELLO."""
     loop = asyncio.get_running_loop()
+    where = f"unix:{unix}" if unix else f"{host}:{port}"
     try:
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: ClientConnection(limits), host, port, ssl=tls,
-                                   server_hostname=server_hostname if tls else None),
-            timeout,
-        )
+        if unix:
+            connecting = loop.create_unix_connection(lambda: ClientConnection(limits), unix)
+        else:
+            connecting = loop.create_connection(lambda: ClientConnection(limits), host, port, ssl=tls,
+                                                server_hostname=server_hostname if tls else None)
+        _, conn = await asyncio.wait_for(connecting, timeout)
     except asyncio.TimeoutError:
-        raise TransportError(f"timed out connecting to {host}:{port}") from None
+        raise TransportError(f"timed out connecting to {where}") from None
     except ssl.SSLError as exc:
-        raise TransportError(f"TLS handshake with {host}:{port} failed: {exc.reason or exc}") from None
+        raise TransportError(f"TLS handshake with {where} failed: {exc.reason or exc}") from None
     except OSError as exc:
-        raise TransportError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+        raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
     try:
         resp = await asyncio.wait_for(conn.request(Hello(namespace=namespace, token=token, client="kvstore-py")),
                                       timeout)
     except asyncio.TimeoutError:
         conn.abort(TransportError("HELLO timed out"))
-        raise TransportError(f"{host}:{port} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
+        raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
     except BaseException:
         conn.close()
         raise

@@ -64,15 +64,26 @@ class Message:
     OP: ClassVar[int] = 0
 
     def to_meta(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _field_names(type(self))}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], payload_len: int, limits: Limits) -> Message:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = _field_names(cls)
         try:
             return cls(**{k: v for k, v in meta.items() if k in names})
         except TypeError as exc:  # a required field is missing
             raise InvalidRequest(f"{cls.__name__}: {exc}") from None
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A message class's field names, computed once (``dataclasses.fields`` costs microseconds per call)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
@@ -82,6 +93,9 @@ def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
         raise TooLarge(f"batch of {len(keys)} keys is over the limit of {limits.max_batch}")
     if not keys and not allow_empty:
         raise InvalidRequest("empty batch")
+    # Fast path, loops in C: all bytes of valid lengths (1024 keys: ~25 us instead of ~250).
+    if keys and set(map(type, keys)) == {bytes} and MIN_KEY_LEN <= min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LEN:
+        return
     for k in keys:
         check_key(k)
 

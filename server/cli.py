@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tls-cert", str, d.tls_cert, "serve TLS with this PEM certificate (chain)")
     add("--tls-key", str, d.tls_key, "the PEM private key of --tls-cert")
     add("--idle-timeout", _seconds, d.idle_timeout, "close a connection silent for this long (0 = never)")
-    add("--frame-timeout", _seconds, d.frame_timeout, "drop a connection whose frame is incomplete this long (0 = never)")
+    add("--frame-timeout", _seconds, d.frame_timeout,
+        "drop a connection whose frame is incomplete this long (0 = never)")
     add("--max-connections", int, d.max_connections, "refuse connections over this many")
     add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
     add("--max-batch", int, d.max_batch, "most keys in one request")

@@ -23,14 +23,18 @@ from kvstore.protocol import (
     Delete, Exists, Flush, Frame, FrameReader, Get, Hello, Limits, Lookup, NEED_DATA, PayloadDone, Ping, Put,
     Stats, Unpin, error_reply, foreign_reply, reply,
 )
+from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
 from kvstore.store import BlockRef
 
-from .service import GetResult, PutSink, Service, Session, error_fields
+from .service import GetResult, PutSink, Service, error_fields
+from .shm import unix_peer
 
 log = logging.getLogger(__name__)
 
 _OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists",
-             Delete: "delete", Unpin: "unpin", Stats: "stats", Flush: "flush"}
+             Delete: "delete", Unpin: "unpin", Stats: "stats", Flush: "flush",
+             ShmAttach: "shm_attach", ShmGet: "shm_get", ShmPut: "shm_put", ShmCommit: "shm_commit",
+             ShmRelease: "shm_release"}
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -68,6 +72,9 @@ class Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0, low=0)
         peer = transport.get_extra_info("peername")
         self.session.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            self.session.unix = True  # a same-host peer: may map the shared arena (server/shm.py)
+            self.session.peer = unix_peer(sock)
         self.service.counters.connections += 1
         self.service.counters.connections_total += 1
 
@@ -76,6 +83,7 @@ class Connection(asyncio.BufferedProtocol):
             self.put_sink.abort()
             self.put_sink = None
         self._release_unsent()
+        self.service.shm.end_session(self.session)  # drop its read pins, abort its unfinished shm puts
         self.service.counters.connections -= 1
         self.idle.set()
         self.on_close(self)
@@ -139,6 +147,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         try:
             self.service.check_allowed(self.session, msg)
+            if isinstance(msg, ShmAttach):  # the reply carries the arena's fd: written by shm, not here
+                assert self.transport is not None
+                self.service.shm.attach(self.session, self.transport, frame.request_id)
+                self.service.counters.count(name)
+                return
             if isinstance(msg, Put):
                 self.put_sink = self.service.begin_put(self.session, msg)
                 self.put_rid, self.put_t0 = frame.request_id, t0
@@ -158,6 +171,7 @@ class Connection(asyncio.BufferedProtocol):
         handler = {
             Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Get: svc.get, Exists: svc.exists,
             Delete: svc.delete, Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
+            ShmGet: svc.shm.get, ShmPut: svc.shm.put, ShmCommit: svc.shm.commit, ShmRelease: svc.shm.release,
         }[type(msg)]
         self._respond(rid, name, msg.OP, handler(s, msg), t0)
 
@@ -254,7 +268,8 @@ class Connection(asyncio.BufferedProtocol):
             self.service.release(refs)
 
     def _update_idle(self) -> None:
-        busy = self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)
+        busy = (self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)
+                or self.service.shm.busy(self.session))  # a drain waits for shm copies to be released
         if busy:
             self.idle.clear()
         else:

@@ -196,7 +196,7 @@ def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
 def make_registry(service: Service) -> CollectorRegistry:
     """The kvstore families plus the standard ``process_*`` (RSS, CPU, fds) and ``python_info``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(KVStoreCollector(service))  # type: ignore[arg-type]
+    registry.register(KVStoreCollector(service))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry

@@ -440,8 +440,7 @@ class RedisTier(Tier):
 
     # -- reads
 
-    # Wider than Tier.fetch's ``bytes``: a memoryview into the reply saves a copy of every block.
-    async def fetch(  # type: ignore[override]
+    async def fetch(
         self, ns: str, keys: Sequence[bytes]
     ) -> list[tuple[bytes | memoryview, int] | None]:
         """``(block, checksum)`` per key from the queue or one pipelined round of GETs.

@@ -42,7 +42,7 @@ class Tier(ABC):
         return once they are queued (waiting while the queue is full)."""
 
     @abstractmethod
-    async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes, int] | None]:
+    async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, int] | None]:
         """``(data, checksum)`` per key, ``None`` where absent; one pipelined round trip."""
 
     @abstractmethod

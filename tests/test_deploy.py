@@ -14,7 +14,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -84,8 +83,8 @@ def test_dockerfile_entrypoint_is_the_console_script_and_copies_existing_files()
     instrs = dockerfile()
     entry = [json.loads(a) for i, a in instrs if i == "ENTRYPOINT"]
     assert entry == [["kvstore-server"]]
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["kvstore-server"] == "kvstore.server.cli:main"
+    scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^kvstore-server = "kvstore\.server\.cli:main"$', scripts, re.M)
     assert (VENV_BIN / "kvstore-server").exists()  # what pip makes of that entry point
     cmd = [json.loads(a) for i, a in instrs if i == "CMD" and a.startswith("[")]
     config_from_args(cmd[-1])  # the default arguments are real flags
@@ -96,6 +95,11 @@ def test_dockerfile_entrypoint_is_the_console_script_and_copies_existing_files()
                 assert (ROOT / src).exists(), f"COPY {src}: no such file in the build context"
         if instr == "ENV":
             check_env(dict(kv.split("=", 1) for kv in shlex.split(args)), "Dockerfile ENV")
+    copied = {src.rstrip("/") for i, a in instrs if i == "COPY" and not a.startswith("--from")
+              for src in a.split()[:-1]}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    package_dirs = pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+    assert set(re.findall(r'= "([^"]+)"', package_dirs)) | {"pyproject.toml", "README.md"} <= copied
     exposed = {int(p) for i, a in instrs if i == "EXPOSE" for p in a.split()}
     env = dict(kv.split("=", 1) for i, a in instrs if i == "ENV" for kv in shlex.split(a))
     assert {int(env["KVSTORE_PORT"]), int(env["KVSTORE_METRICS_PORT"])} == exposed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -164,8 +165,9 @@ async def test_healthz_and_tier_metrics_with_a_live_redis(make_server, metrics_u
     assert value(samples, "kvstore_tier_backlog_bytes") >= 0
 
 
-def test_metrics_port_is_off_by_default(server) -> None:
+def test_metrics_port_is_off_by_default_and_loopback_does_not_warn(server) -> None:
     assert not any("metrics served at" in line for line in server.log)
+    assert not any("non-loopback" in line or "clear text" in line for line in server.log)
 
 
 @pytest.mark.parametrize("bad", ["-1", "70000", "x"])
@@ -175,3 +177,23 @@ def test_bad_metrics_port_is_a_usage_error(bad: str, capsys: pytest.CaptureFixtu
     assert info.value.code == 2 and "--metrics-port" in capsys.readouterr().err
     assert config_from_args(["--metrics-port", "off"]).metrics_port is None
     assert config_from_args(["--metrics-port", "9600"]).metrics_port == 9600
+
+
+def test_healthz_says_draining_after_sigterm(make_server, metrics_url) -> None:
+    import signal
+
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--drain-seconds", "5")
+    base = metrics_url(srv)
+    head = b"".join(bytes(b) for b in encode(Put(keys=[key(1, "d")], sizes=[1000]), 1, payload_len=1000))
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(head + b"x" * 10)  # a PUT in flight keeps the server draining
+        time.sleep(0.2)
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_log("stopping: draining")
+        status, _, body = http(base + "/healthz")
+        assert status == 503 and json.loads(body)["status"] == "draining"
+        assert http(base + "/livez")[0] == 200
+        s.sendall(b"x" * 990)  # the PUT completes, its reply comes, the server exits
+        assert s.recv(4096)[:2] == b"KV"
+    assert srv.proc.wait(10) == 0

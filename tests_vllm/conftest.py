@@ -21,7 +21,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import pytest  # noqa: E402
 
-pytest.importorskip("vllm", reason="needs vLLM 0.33: run scripts/install-vllm.sh, then use .venv-vllm")
+try:
+    import vllm  # noqa: F401
+except ImportError:  # a clear refusal, not a silently empty run
+    raise pytest.UsageError(
+        "tests_vllm needs vLLM 0.33: run scripts/install-vllm.sh, then .venv-vllm/bin/python -m pytest tests_vllm"
+    ) from None
 
 from kvstore.server.process import ServerProcess  # noqa: E402
 from vllm_harness import Engine, kvstore_extra_config, write_model_dir  # noqa: E402

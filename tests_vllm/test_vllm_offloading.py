@@ -120,6 +120,22 @@ def test_prefill_for_remote_decode_stores_every_block(make_engine: Callable[...,
     kv.close()
 
 
+@SYNC_ASYNC
+def test_expedited_load(make_engine: Callable[..., Engine], kvstore_server: ServerProcess,
+                        async_scheduling: bool) -> None:
+    # With a sync-load budget vLLM loads within the step (expedited) and computes right after.
+    engine = make_engine(kvstore_server.addr, async_scheduling=async_scheduling, sync_load_budget_bytes=1 << 30)
+    engine.new_request([5] * 12)
+    original = gpu_bytes(engine, engine.run([EOS_TOKEN_ID]).stores[0].gpu_block_ids)
+    assert engine.scheduler.reset_prefix_cache()
+    wipe_gpu_cache(engine)
+    engine.new_request([5] * 24)
+    log = engine.run([0])
+    [load] = log.loads
+    assert load.expedited and load.gpu_block_indexes == (0, 1, 2)
+    assert gpu_bytes(engine, load.gpu_block_ids) == original
+
+
 def test_on_new_request_policy(make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
     from vllm.v1.kv_offload.base import OffloadPolicy, ReqContext
 

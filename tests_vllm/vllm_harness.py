@@ -101,6 +101,7 @@ class Transfer:
     gpu_block_ids: list[int]
     gpu_block_indexes: tuple[int, ...]
     keys: list[bytes]
+    expedited: bool = False  # a load vLLM waits for within the step
 
 
 @dataclass
@@ -279,16 +280,18 @@ class Engine:
             return submit_store(job_id, src, dst)
 
         def load(job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec, expedited: bool = False) -> bool:
-            self._log.loads.append(self._transfer(job_id, False, dst, src))
+            self._log.loads.append(self._transfer(job_id, False, dst, src, expedited))
             return submit_load(job_id, src, dst, expedited)
 
         worker.submit_store = store  # type: ignore[method-assign]
         worker.submit_load = load  # type: ignore[method-assign]
 
-    def _transfer(self, job_id: int, is_store: bool, gpu: GPULoadStoreSpec, other: LoadStoreSpec) -> Transfer:
+    def _transfer(self, job_id: int, is_store: bool, gpu: GPULoadStoreSpec, other: LoadStoreSpec,
+                  expedited: bool = False) -> Transfer:
         assert isinstance(other, KVStoreLoadStoreSpec)
         ids = [int(b) for b in gpu.block_ids]
-        return Transfer(job_id, is_store, ids, tuple(self._gpu_block_index[b] for b in ids), list(other.keys))
+        return Transfer(job_id, is_store, ids, tuple(self._gpu_block_index[b] for b in ids), list(other.keys),
+                        expedited)
 
     def block_ids(self, request: Request) -> list[int]:
         """The GPU block ids a running request holds, in order."""

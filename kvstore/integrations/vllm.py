@@ -11,9 +11,9 @@ Start vLLM with (``docs/vllm.md`` has the details)::
 vLLM's ``OffloadingSpecFactory`` imports this module and builds
 :class:`KVStoreOffloadingSpec`, whose two halves replace vLLM's CPU tier:
 
-- Scheduler side, :class:`KVStoreOffloadingManager`: what is stored, what to
-  load, what to store. It keeps no index of its own -- the server is the index,
-  shared by every engine that uses the same namespace.
+- Scheduler side, :class:`KVStoreOffloadingManager`: which chunks the server
+  has, which to load, which to store. It keeps no index of its own -- the
+  server is the index, shared by every engine that uses the same namespace.
 - Worker side, :class:`KVStoreOffloadingWorker`: moves the KV bytes of GPU
   blocks to and from the server (gather/scatter by
   :class:`kvstore.engine.transfer.PagedKVTransfer`), on background threads.
@@ -31,7 +31,8 @@ P/D. A request whose ``kv_transfer_params`` has ``do_remote_decode`` gets
 so vLLM offers every chunk of it for storing, the loaded prefix included, and
 :meth:`~KVStoreOffloadingManager.prepare_store` stores them all (without the
 dedup against the server that other requests get): when the prefill finishes,
-the whole prompt is in the store for the remote decode engine, freshly touched.
+the whole prompt is in the store for the remote decode engine, even chunks
+evicted since the lookup.
 
 Only this module imports vLLM; kvstore itself never does.
 """
@@ -328,7 +329,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         positions: Mapping[bytes, int] | None = getattr(req_context, "_offload_key_positions", None)
         group = get_offload_group_idx(OffloadKey(key))
         step = self._chunk_tokens.get(group)
-        pos = positions.get(key) if positions else None  # type: ignore[call-overload]
+        pos = positions.get(key) if positions else None
         if positions is None or pos is None or not step or pos % step:
             return [key]
         start = 0 if whole_group else pos
@@ -500,8 +501,10 @@ class _BufferPool:
 class KVStoreOffloadingWorker(OffloadingWorker):
     """Moves chunks between this worker's paged KV cache and the server.
 
-    Stores run on one thread and loads on another, in submission order each; a
-    job is gather + PUT, or GET (straight into host buffers) + scatter. On CUDA,
+    Stores run on one thread and loads on another, in submission order each
+    (expedited loads, which vLLM waits for within the step, on a third so they
+    never queue behind the others); a job is gather + PUT, or GET (straight into
+    host buffers) + scatter. On CUDA,
     each job first waits for the work queued on the submitting stream (the
     forward pass that wrote the blocks to store; the zeroing of blocks to load
     into).
@@ -524,8 +527,10 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self._device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else torch.device("cpu")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
-        self._store_buffers = _BufferPool()  # used by the store thread only
-        self._load_buffers = _BufferPool()  # used by the load thread only
+        self._expedited = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load-now")
+        self._store_buffers = _BufferPool()  # each pool is used by one thread only
+        self._load_buffers = _BufferPool()
+        self._expedited_buffers = _BufferPool()
         self._jobs: dict[int, Future[TransferResult]] = {}
         self.store_failures = 0  # stores the server refused (for tests and diagnostics)
 
@@ -540,7 +545,11 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                     expedited: bool = False) -> bool:
         assert isinstance(src_spec, KVStoreLoadStoreSpec), type(src_spec)
         parts = self._parts(dst_spec, src_spec.keys)
-        self._jobs[job_id] = self._loads.submit(self._load, job_id, parts, self._ready_event())
+        if expedited:
+            executor, buffers = self._expedited, self._expedited_buffers
+        else:
+            executor, buffers = self._loads, self._load_buffers
+        self._jobs[job_id] = executor.submit(self._load, job_id, parts, self._ready_event(), buffers)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -558,8 +567,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self.wait(set(self._jobs))
 
     def shutdown(self) -> None:
-        self._stores.shutdown(wait=True)
-        self._loads.shutdown(wait=True)
+        for executor in (self._stores, self._loads, self._expedited):
+            executor.shutdown(wait=True)
         try:
             self._client.close()
         except KVStoreError:  # pragma: no cover
@@ -596,7 +605,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     def _ready_event(self) -> torch.cuda.Event | None:
         if self._device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self._device))
         return event
 
@@ -641,14 +650,15 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             keys, ids = keys[:-1], ids[:-tail]
         return keys, ids
 
-    def _load(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> TransferResult:
+    def _load(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None,
+              pool: _BufferPool) -> TransferResult:
         start = time.perf_counter()
         nbytes = 0
         try:
             if ready is not None:
                 ready.synchronize()
             for part in parts:
-                buffers = self._load_buffers.take(part.transfer, len(part.keys))
+                buffers = pool.take(part.transfer, len(part.keys))
                 try:
                     found = self._client.get_into(part.keys, [b.numpy().data for b in buffers],
                                                   unpin=True)
@@ -658,7 +668,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                         return TransferResult(job_id=job_id, success=False)
                     part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
                 finally:
-                    self._load_buffers.give(part.transfer, buffers)
+                    pool.give(part.transfer, buffers)
                 nbytes += len(part.keys) * part.transfer.payload_size
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)

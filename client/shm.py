@@ -1,0 +1,428 @@
+"""Client half of the same-host shared-memory path (design: ``docs/shm.md``).
+
+A client on the server's host maps the server's block arena (a memfd the
+server passes over its Unix socket) and moves payload bytes with one
+``memcpy`` each way; only small control frames cross the socket:
+
+* get: ``SHM_GET`` pins and locates the blocks -> the client copies them out of
+  the mapping into the caller's buffers (hashing each chunk while it is still
+  in cache) -> ``SHM_RELEASE``. The copy counts only if the release answers
+  ``held``: the pins lasted the whole copy, so no slot was reused under it.
+* put: ``SHM_PUT`` reserves slots -> the client copies its blocks in (hashing
+  the source as it goes) -> ``SHM_COMMIT`` with the checksums publishes them.
+
+The attach itself runs on a short-lived *side* connection (a blocking socket:
+asyncio transports cannot receive ancillary data): HELLO with the token, then
+``SHM_ATTACH``, whose reply carries the fd (SCM_RIGHTS). Anything that goes
+wrong there -- no Unix socket, ``--no-shm``, a namespace-limited token, another
+host -- leaves the client on the socket path, transparently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
+
+import xxhash
+
+from kvstore.errors import (
+    BlockSizeError, IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code,
+)
+from kvstore.protocol import (
+    ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmCommit, ShmGet, ShmPut,
+    ShmRelease, encode,
+)
+
+from .connection import ClientConnection, Response
+
+if TYPE_CHECKING:
+    from .aio import AsyncKVClient, _Node
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Copy-and-hash granularity: a chunk is hashed right after its copy, while it is
+#: still in L2 (1 MiB per core here), so verification does not re-read DRAM.
+CHUNK = 256 << 10
+_MAX_FDS = 4  # ancillary room; anything beyond the one fd we expect is closed
+
+
+# --------------------------------------------------------------------------- the mapping
+
+
+class ShmSegment:
+    """The server's block arena, mapped read-write into this process."""
+
+    def __init__(self, region: mmap.mmap, page_size: int, instance: str) -> None:
+        self.region = region
+        self.buffer = memoryview(region)
+        self.size = len(region)
+        self.page_size = page_size
+        self.instance = instance
+
+    def views(self, loc: Any) -> list[memoryview]:
+        """The arena byte ranges ``[[offset, length], ...]`` as views, checked against the mapping.
+
+        Raises:
+            ProtocolError: a range outside the mapping (never trust an offset blindly).
+        """
+        if not isinstance(loc, list):
+            raise ProtocolError("malformed shm location")
+        out = []
+        for item in loc:
+            if (not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int
+                    or type(item[1]) is not int or item[0] < 0 or item[1] < 0 or item[0] + item[1] > self.size):
+                raise ProtocolError(f"shm location {item!r} is outside the {self.size}-byte arena")
+            out.append(self.buffer[item[0]:item[0] + item[1]])
+        return out
+
+    def close(self) -> None:
+        """Unmap (left to the garbage collector if a view of it is still alive somewhere)."""
+        try:
+            self.buffer.release()
+            self.region.close()
+        except BufferError:
+            pass
+
+
+def attach(path: str, *, namespace: str, token: str | None, timeout: float, populate: bool = True) -> ShmSegment:
+    """Map the arena of the server listening on Unix socket ``path`` (blocking; run it in a thread).
+
+    Raises:
+        Unauthorized, InvalidRequest, ...: the server refused (wrong token,
+            namespace-limited token, shm not offered).
+        TransportError: the socket could not be reached or closed early.
+        ProtocolError: the reply made no sense or carried no descriptor.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    fds: list[int] = []
+    try:
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            raise TransportError(f"cannot connect to unix:{path}: {exc.strerror or exc}") from None
+        reader = FrameReader(is_server=False)
+        _ask(sock, reader, Hello(namespace=namespace, token=token, client="kvstore-py-shm"), 1, fds)
+        fields = _ask(sock, reader, ShmAttach(), 2, fds)
+        if len(fds) != 1:
+            raise ProtocolError(f"SHM_ATTACH reply carried {len(fds)} descriptors, not 1")
+        return _map(fds[0], fields, populate)
+    finally:
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: list[int]) -> dict[str, Any]:
+    """Send one request and read its (payload-less) reply, collecting passed descriptors."""
+    sock.sendall(b"".join(bytes(b) for b in encode(msg, rid)))
+    while True:
+        try:
+            data, got, flags, _ = socket.recv_fds(sock, 65536, _MAX_FDS)
+        except OSError as exc:
+            raise TransportError(f"shm attach: {exc.strerror or exc}") from None
+        fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError("shm attach: ancillary data truncated")
+        if not data:
+            raise TransportError("shm attach: the server closed the connection")
+        reader.feed(data)
+        event = reader.next_event()
+        if isinstance(event, Frame):
+            if event.payload_len or event.request_id != rid:
+                raise ProtocolError("shm attach: unexpected reply")
+            if isinstance(event.msg, ErrorReply):
+                raise from_code(event.msg.code, event.msg.message)
+            assert isinstance(event.msg, Reply)
+            return event.msg.fields
+
+
+def _map(fd: int, fields: dict[str, Any], populate: bool) -> ShmSegment:
+    size, page_size, instance = fields.get("size"), fields.get("page_size"), fields.get("instance")
+    if type(size) is not int or type(page_size) is not int or not isinstance(instance, str) or size <= 0:
+        raise ProtocolError("malformed SHM_ATTACH reply")
+    if os.fstat(fd).st_size < size:
+        raise ProtocolError("the shared arena is smaller than announced")
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)  # no first-touch faults later
+    region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return ShmSegment(region, page_size, instance)
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bool | None) -> int:
+    """Copy the bytes of ``src`` views into ``dst`` views (equal totals); returns xxh3-64 or 0.
+
+    ``hash_dst``: True hashes what was written (a get: verify what the caller
+    got), False hashes the source (a put), None hashes nothing. Hashing goes
+    chunk by chunk right after each chunk's copy, from cache.
+    """
+    h = None if hash_dst is None else xxhash.xxh3_64()
+    di = si = doff = soff = 0
+    while di < len(dst) and si < len(src):
+        d, s = dst[di], src[si]
+        n = min(len(d) - doff, len(s) - soff, CHUNK if h is not None else 1 << 62)
+        if n:
+            d[doff:doff + n] = s[soff:soff + n]
+            if h is not None:
+                h.update(d[doff:doff + n] if hash_dst else s[soff:soff + n])
+        doff += n
+        soff += n
+        if doff == len(d):
+            di, doff = di + 1, 0
+        if soff == len(s):
+            si, soff = si + 1, 0
+    return 0 if h is None else h.intdigest()
+
+
+def _flat(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+# --------------------------------------------------------------------------- operations
+
+
+class _InlineSink:
+    """Receives the blocks an SHM_GET reply carries inline (tier blocks not in the arena)."""
+
+    def __init__(self, fields: dict[str, Any], buffers: Sequence[memoryview] | None, outcome: GetOutcome) -> None:
+        sizes, locs = fields.get("sizes"), fields.get("locs")
+        n = len(outcome.out)
+        if not isinstance(sizes, list) or len(sizes) != n or not isinstance(locs, list) or len(locs) != n:
+            raise ProtocolError("malformed SHM_GET reply")
+        self.index = [i for i, s in enumerate(sizes) if type(s) is int and s >= 0 and locs[i] is None]
+        self.sizes = [sizes[i] for i in self.index]
+        self.buffers = buffers
+        self.outcome = outcome
+
+    def target(self, j: int) -> list[memoryview] | None:
+        i, size = self.index[j], self.sizes[j]
+        if self.buffers is None:
+            buf = bytearray(size)
+            self.outcome.out[i] = buf
+            return [memoryview(buf)]
+        if len(self.buffers[i]) != size:
+            self.outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(self.buffers[i])}")
+            return None
+        self.outcome.out[i] = self.buffers[i]
+        return [self.buffers[i]]
+
+
+@dataclass
+class GetOutcome:
+    """Per key of one server's share of a get: the block (or None), the checksum the
+    caller still has to verify (0: nothing left to check), and errors by index."""
+
+    out: list[memoryview | bytearray | None]
+    checksums: list[int]
+    errors: dict[int, KVStoreError] = field(default_factory=dict)
+
+
+class ShmChannel:
+    """A server's arena as this client uses it: the mapping plus its get and put."""
+
+    def __init__(self, node: _Node, segment: ShmSegment) -> None:
+        self.node = node
+        self.segment = segment
+
+    @property
+    def client(self) -> AsyncKVClient:
+        return self.node.client
+
+    async def _request(self, conn: ClientConnection, msg: Message, make_sink: Any = None) -> Response:
+        try:
+            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout)
+        except RequestTimeout:
+            raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
+
+    async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]]) -> T:
+        """Run ``op`` on one pooled connection (handles are per connection); retry on transport errors.
+
+        A new connection may find a restarted server: the node then holds a
+        channel on the new arena (used from the next attempt on), or none.
+        """
+        c = self.client
+        for attempt in range(1 + c.retries):
+            conn = await self.node.connection()
+            channel = self.node.shm
+            if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
+                raise TransportError(f"{self.node.addr} restarted without shared memory; retry on the socket")
+            if (conn.hello.get("shm") or {}).get("instance") != channel.segment.instance:
+                conn.abort(TransportError("connection to another server instance than the mapped arena"))
+                continue  # locations from that server would point into a different arena
+            try:
+                return await op(channel, conn)
+            except RequestTimeout:
+                raise  # like every other call: a timeout is not retried
+            except TransportError:
+                if attempt == c.retries:
+                    raise
+                await asyncio.sleep(c.backoff * 2**attempt)
+        raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
+
+    # -- get
+    async def get(self, keys: list[bytes], buffers: list[memoryview] | None, unpin: bool, verify: bool) -> GetOutcome:
+        """Blocks of ``keys`` (one server's share): copied out of the arena, verified, pins released."""
+        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify))
+
+    async def _get(self, conn: ClientConnection, keys: list[bytes], buffers: list[memoryview] | None,
+                   unpin: bool, verify: bool) -> GetOutcome:
+        outcome = GetOutcome([None] * len(keys), [0] * len(keys))
+        resp = await self._request(conn, ShmGet(keys=keys, unpin=unpin),
+                                   make_sink=lambda f: _InlineSink(f, buffers, outcome))
+        fields = resp.fields
+        sizes, sums, locs, handle = (fields.get(k) for k in ("sizes", "checksums", "locs", "handle"))
+        if (not isinstance(sizes, list) or not isinstance(sums, list) or not isinstance(locs, list)
+                or not len(sizes) == len(sums) == len(locs) == len(keys) or type(handle) is not int):
+            if type(handle) is int and handle:
+                await self._release(conn, handle)
+            raise ProtocolError("malformed SHM_GET reply")
+        try:
+            for i, loc in enumerate(locs):
+                if loc is None:
+                    outcome.checksums[i] = sums[i] if outcome.out[i] is not None else 0  # inline: checked by caller
+                else:
+                    self._copy_out(i, keys[i], sizes[i], sums[i], loc, buffers, verify, outcome)
+        finally:
+            held = await self._release(conn, handle) if handle else True
+        if not held:
+            raise RequestTimeout(f"{self.node.addr}: shared-memory read pins expired before the copy finished "
+                                 "(--lease-seconds); the copy was discarded")
+        return outcome
+
+    def _copy_out(self, i: int, key: bytes, size: Any, expected: Any, loc: Any, buffers: list[memoryview] | None,
+                  verify: bool, outcome: GetOutcome) -> None:
+        src = self.segment.views(loc)
+        if type(size) is not int or sum(len(v) for v in src) != size or type(expected) is not int:
+            raise ProtocolError("malformed SHM_GET reply: sizes and locations disagree")
+        if buffers is None:
+            dst: memoryview | bytearray = bytearray(size)
+        elif len(buffers[i]) != size:
+            outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(buffers[i])}")
+            return
+        else:
+            dst = buffers[i]
+        got = copy_runs([memoryview(dst)], src, True if verify and expected else None)
+        if verify and expected and got != expected:
+            outcome.errors[i] = IntegrityError(f"block {i} (key {key.hex()}) failed its checksum")
+            return
+        outcome.out[i] = dst
+
+    async def _release(self, conn: ClientConnection, handle: int) -> bool:
+        resp = await self._request(conn, ShmRelease(handle=handle))
+        return resp.fields.get("held") is True
+
+    # -- put
+    async def put(self, keys: list[bytes], views: list[memoryview]) -> list[tuple[int, str | None]]:
+        """Reserve, copy in (checksumming the source on the way), commit: ``(status, message)`` per key."""
+        return await self._with_conn(lambda ch, conn: ch._put(conn, keys, views))
+
+    async def _put(self, conn: ClientConnection, keys: list[bytes],
+                   views: list[memoryview]) -> list[tuple[int, str | None]]:
+        resp = await self._request(conn, ShmPut(keys=keys, sizes=[len(v) for v in views]))
+        fields = resp.fields
+        handle, locs = fields.get("handle"), fields.get("locs")
+        if type(handle) is not int or not isinstance(locs, list) or len(locs) != len(keys):
+            raise ProtocolError("malformed SHM_PUT reply")
+        if handle:
+            sums = [0] * len(keys)
+            try:
+                for i, loc in enumerate(locs):
+                    if loc is not None:
+                        dst = self.segment.views(loc)
+                        if sum(len(d) for d in dst) != len(views[i]):
+                            raise ProtocolError("SHM_PUT reply: a slot does not match its block's size")
+                        sums[i] = copy_runs(dst, [views[i]], False)
+            except BaseException:
+                await self._release(conn, handle)  # abort the reservations rather than publish them
+                raise
+            fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
+        status, errors = fields.get("status"), fields.get("errors") or {}
+        if not isinstance(status, list) or len(status) != len(keys) or not isinstance(errors, dict):
+            raise ProtocolError("malformed SHM_PUT/SHM_COMMIT reply")
+        return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+
+
+async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None:
+    """The node's shm channel after opening ``conn``: kept, (re-)attached, or None (socket path).
+
+    Attaches when the server offers shm in its HELLO reply and either the
+    client reached it over the Unix socket (``shm=None``, the default) or asked
+    for shm explicitly (``shm=True``: a TCP client then tries the socket path
+    the server announced -- it works only on the server's host, and the arena
+    instance must match the one this connection talks to). One attempt per
+    server instance: a refusal is not retried on every new connection.
+    """
+    info = conn.hello.get("shm")
+    want = node.client.shm
+    if want is False or not isinstance(info, dict) or not isinstance(info.get("instance"), str):
+        return node.shm
+    instance = info["instance"]
+    if node.shm is not None:
+        if node.shm.segment.instance == instance:
+            return node.shm
+        node.shm.segment.close()  # the server restarted: its old arena is gone for us too
+        node.shm = None
+    path = node.unix or (info.get("path") if want else None)
+    if not isinstance(path, str) or node.shm_tried == instance:
+        return None
+    node.shm_tried = instance
+    c = node.client
+    try:
+        segment = await asyncio.to_thread(attach, path, namespace=c.namespace, token=c.token,
+                                          timeout=c.connect_timeout)
+    except (KVStoreError, OSError) as exc:
+        log.info("shared memory not used with %s (%s); using the socket", node.addr, exc)
+        return None
+    if segment.instance != instance:  # e.g. the same path on another host: another server
+        segment.close()
+        log.info("shared memory at unix:%s belongs to another server than %s; using the socket", path, node.addr)
+        return None
+    return ShmChannel(node, segment)
+
+
+# --------------------------------------------------------------------------- measuring (for kvstore-bench)
+
+
+async def measure_throughput(addr: str, *, block_size: int = 4 << 20, batch: int = 32, rounds: int = 8,
+                             shm: bool | None = None, verify: bool = True, namespace: str = "bench",
+                             token: str | None = None) -> dict[str, float]:
+    """GB/s of put and get_into of ``batch`` blocks of ``block_size`` bytes through one client.
+
+    ``addr`` may be ``host:port`` or ``unix:PATH``; ``shm`` as for
+    :class:`AsyncKVClient` (``False`` measures the Unix socket without shm).
+    Every round puts fresh keys and reads them back; the best round counts
+    (a shared machine's noise only ever slows a round down). The keys are
+    deleted afterwards. Returns ``{"put_gbps", "get_gbps", "shm"}``.
+    """
+    from .aio import AsyncKVClient
+
+    payloads = [bytes([i % 251]) * block_size for i in range(batch)]
+    bufs = [bytearray(block_size) for _ in range(batch)]
+    best_put = best_get = float("inf")
+    async with AsyncKVClient(addr, namespace=namespace, token=token, shm=shm, verify=verify, pool_size=1) as kv:
+        used_shm = kv.nodes[0].shm is not None
+        for r in range(rounds):
+            keys = [os.urandom(16) for _ in range(batch)]
+            t0 = time.perf_counter()
+            await kv.put(keys, payloads)
+            t1 = time.perf_counter()
+            await kv.get_into(keys, bufs)
+            t2 = time.perf_counter()
+            best_put, best_get = min(best_put, t1 - t0), min(best_get, t2 - t1)
+            await kv.delete(keys)
+    total = block_size * batch
+    return {"put_gbps": total / best_put / 1e9, "get_gbps": total / best_get / 1e9, "shm": float(used_shm)}
+
+
+__all__ = ["CHUNK", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs", "measure_throughput",
+           "open_channel"]

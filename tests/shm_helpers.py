@@ -1,0 +1,79 @@
+"""Helpers shared by the same-host transport tests (Unix socket, shared memory, integrity)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import socket
+import tempfile
+from typing import Any, Iterator
+
+import pytest
+
+from kvstore.client import AsyncKVClient
+from kvstore.protocol import ErrorReply, Frame, FrameReader, Message, Reply, ShmGet, ShmRelease, encode
+
+
+def key(i: int, tag: str = "") -> bytes:
+    return hashlib.sha256(f"{tag}:{i}".encode()).digest()
+
+
+def data(k: bytes, size: int) -> bytes:
+    """A block's content, derived from its key: any reader can tell right bytes from wrong ones."""
+    return random.Random(k).randbytes(size)
+
+
+@pytest.fixture
+def unix_path() -> Iterator[str]:
+    """A short socket path (AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer)."""
+    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+    try:
+        yield f"{directory}/kv.sock"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def raw_exchange(path: str, *msgs: Message, timeout: float = 5.0) -> tuple[list[Frame], list[int]]:
+    """Send ``msgs`` (request ids 1..n) on a fresh Unix connection; the reply frames and any passed fds.
+
+    Reads until every request is answered or the server closes the connection.
+    """
+    frames: list[Frame] = []
+    fds: list[int] = []
+    reader = FrameReader(is_server=False)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(b"".join(bytes(b) for i, m in enumerate(msgs, 1) for b in encode(m, i)))
+        while len(frames) < len(msgs):
+            chunk, got, _, _ = socket.recv_fds(sock, 65536, 4)
+            fds.extend(got)
+            if not chunk:
+                break
+            reader.feed(chunk)
+            while isinstance(event := reader.next_event(), Frame):
+                frames.append(event)
+    return frames, fds
+
+
+def error_code(frame: Frame) -> int | None:
+    return frame.msg.code if isinstance(frame.msg, ErrorReply) else None
+
+
+def reply_fields(frame: Frame) -> dict[str, Any]:
+    assert isinstance(frame.msg, Reply), frame.msg
+    return frame.msg.fields
+
+
+async def shm_locate(kv: AsyncKVClient, keys: list[bytes]) -> tuple[Any, dict[str, Any]]:
+    """A raw SHM_GET on one of the client's connections: ``(connection, reply fields)``; pins held."""
+    node = kv.nodes[0]
+    conn = await node.connection()
+    resp = await conn.request(ShmGet(keys=keys))
+    return conn, resp.fields
+
+
+async def shm_release(conn: Any, handle: int) -> bool:
+    resp = await conn.request(ShmRelease(handle=handle))
+    return resp.fields["held"] is True

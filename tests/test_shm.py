@@ -1,0 +1,333 @@
+"""The shared-memory path against real server processes: round trips, pins under eviction churn,
+a client SIGKILLed mid-put, who may map the arena, and the fallbacks to the socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import CapacityError, Unauthorized
+from kvstore.protocol import Hello, ShmAttach
+
+from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
+    data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release, unix_path,
+)
+
+TOKEN = "global-token-5e1f"
+NS_TOKEN = "llama-only-0b7d"
+
+
+def unix(path: str) -> str:
+    return f"unix:{path}"
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("size", [1 << 20, 4 << 20], ids=["1MiB", "4MiB"])
+async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_server, unix_path: str, size: int) -> None:
+    make_server("--capacity", "256MiB", "--unix", unix_path)
+    keys = [key(i, f"rt{size}") for i in range(32)]
+    blocks = [data(k, size) for k in keys]
+    async with AsyncKVClient(unix(unix_path), namespace="rt") as kv:
+        assert kv.nodes[0].shm is not None
+        before = (await kv.stats())["bytes_in"]
+        res = await kv.put(keys, blocks)
+        assert (res.stored, res.existed) == (32, 0)
+        bufs = [bytearray(size) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [True] * 32
+        assert bufs == blocks  # every byte
+        assert [bytes(b) for b in await kv.get(keys[:3])] == blocks[:3]
+        assert (await kv.put(keys, blocks)).existed == 32  # dedup: nothing copied again
+        stats = await kv.stats()
+    assert stats["bytes_in"] - before < size  # 128 MiB moved, only control frames on the socket
+    assert stats["shm"]["puts"] == 2 and stats["shm"]["gets"] == 2 and stats["shm"]["open_handles"] == 0
+    assert stats["store"]["pinned_blocks"] == 0  # every read pin released
+
+
+async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server, unix_path: str) -> None:
+    make_server("--capacity", "16MiB", "--unix", unix_path, "--page-size", "4KiB")
+    sizes = [0, 1, 4095, 4096, 4097, 300_001]  # empty, sub-page, page edges, many pages
+    keys = [key(i, "odd") for i in range(len(sizes))]
+    blocks = [data(k, n) for k, n in zip(keys, sizes)]
+    async with AsyncKVClient(unix(unix_path), namespace="odd") as kv:
+        await kv.put(keys, blocks)
+        got = await kv.get(keys + [key(99, "absent")])
+        assert [None if g is None else bytes(g) for g in got] == blocks + [None]
+        bufs = [bytearray(n) for n in sizes]
+        bufs[3] = bytearray(5)  # wrong size: refused, the others still arrive
+        with pytest.raises(Exception, match="buffer") as info:
+            await kv.get_into(keys, bufs)
+        assert [bytes(b) for i, b in enumerate(bufs) if i != 3] == [b for i, b in enumerate(blocks) if i != 3]
+        assert info.value.result[3] is None  # type: ignore[attr-defined]
+        assert (await kv.stats())["store"]["pinned_blocks"] == 0
+
+
+def test_sync_client_uses_shm_too(make_server, unix_path: str) -> None:
+    make_server("--capacity", "16MiB", "--unix", unix_path)
+    keys = [key(i, "sync") for i in range(4)]
+    blocks = [data(k, 100_000) for k in keys]
+    with KVClient(unix(unix_path), namespace="s") as kv:
+        kv.put(keys, blocks)
+        bufs = [bytearray(100_000) for _ in keys]
+        assert kv.get_into(keys, bufs) == [True] * 4 and bufs == blocks
+        assert kv.stats()["shm"]["gets"] == 1
+
+
+async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server, unix_path: str) -> None:
+    srv = make_server("--capacity", "64MiB", "--unix", unix_path)
+    keys = [key(i, "both") for i in range(48)]
+    blocks = [data(k, random.Random(i).randrange(1, 300_000)) for i, k in enumerate(keys)]
+    async with AsyncKVClient(unix(unix_path), namespace="b") as shm_kv, \
+            AsyncKVClient(srv.addr, namespace="b") as tcp_kv:
+        assert shm_kv.nodes[0].shm is not None and tcp_kv.nodes[0].shm is None
+        await asyncio.gather(shm_kv.put(keys[0::2], blocks[0::2]), tcp_kv.put(keys[1::2], blocks[1::2]))
+
+        async def read(kv: AsyncKVClient, rounds: int) -> None:
+            for r in range(rounds):
+                order = random.Random(r).sample(range(len(keys)), len(keys))
+                got = await kv.get([keys[i] for i in order])
+                assert [bytes(g) for g in got] == [blocks[i] for i in order]  # type: ignore[arg-type]
+
+        await asyncio.gather(read(shm_kv, 6), read(tcp_kv, 6), read(shm_kv, 6),
+                             shm_kv.put(keys, blocks), tcp_kv.put(keys, blocks))
+        stats = await tcp_kv.stats()
+    assert stats["store"]["blocks"] == 48 and stats["store"]["stored"] == 48  # each stored once, whoever put it
+
+
+# ---------------------------------------------------------------- pins under eviction churn
+
+
+async def test_eviction_churn_never_tears_a_pinned_shm_read(make_server, unix_path: str) -> None:
+    """Randomised: writers over shm and TCP keep a small store evicting while readers hold SHM_GET
+    pins across a pause, then check every byte they copy. Without the pins the paused readers would
+    copy slots that eviction handed to newer blocks."""
+    seed = int.from_bytes(os.urandom(4), "big")
+    rng = random.Random(seed)
+    srv = make_server("--capacity", "12MiB", "--unix", unix_path)
+    recent: deque[tuple[bytes, int]] = deque(maxlen=24)
+    checked = {"pinned": 0, "plain": 0}
+    stop = time.monotonic() + 3.0
+
+    async def writer(kv: AsyncKVClient, tag: str) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            batch = [(key(n + j, f"{tag}{seed}"), rng.randrange(1, 512 << 10)) for j in range(4)]
+            n += 4
+            try:
+                await kv.put([k for k, _ in batch], [data(k, s) for k, s in batch])
+            except CapacityError:
+                pass  # everything left pinned or reserved: fine, try again
+            recent.extend(batch)
+            await asyncio.sleep(0)
+
+    async def pinned_reader(kv: AsyncKVClient) -> None:
+        seg = kv.nodes[0].shm
+        assert seg is not None
+        while time.monotonic() < stop:
+            picks = rng.sample(list(recent), min(3, len(recent)))
+            conn, fields = await shm_locate(kv, [k for k, _ in picks])
+            await asyncio.sleep(rng.uniform(0, 0.03))  # the writers evict meanwhile
+            for (k, size), loc in zip(picks, fields["locs"]):
+                if loc is not None:
+                    assert b"".join(bytes(v) for v in seg.segment.views(loc)) == data(k, size), f"seed {seed}"
+                    checked["pinned"] += 1
+            if fields["handle"]:
+                assert await shm_release(conn, fields["handle"])
+
+    async def plain_reader(kv: AsyncKVClient) -> None:
+        while time.monotonic() < stop:
+            picks = rng.sample(list(recent), min(4, len(recent)))
+            got = await kv.get([k for k, _ in picks])  # verify=True: a torn copy would raise
+            for (k, size), g in zip(picks, got):
+                if g is not None:
+                    assert bytes(g) == data(k, size), f"seed {seed}"
+                    checked["plain"] += 1
+
+    async with AsyncKVClient(unix(unix_path), namespace="churn") as a, \
+            AsyncKVClient(unix(unix_path), namespace="churn") as b, \
+            AsyncKVClient(srv.addr, namespace="churn") as tcp:
+        recent.append((key(-1, "first"), 1000))
+        await tcp.put([key(-1, "first")], [data(key(-1, "first"), 1000)])
+        await asyncio.gather(writer(a, "a"), writer(tcp, "t"), pinned_reader(b), pinned_reader(a), plain_reader(b))
+        stats = await tcp.stats()
+    assert stats["store"]["evictions"] > 20, stats["store"]
+    assert checked["pinned"] > 20 and checked["plain"] > 20, (checked, seed)
+    assert stats["store"]["pinned_blocks"] == 0 and stats["shm"]["open_handles"] == 0
+
+
+async def test_read_pins_time_out_and_the_copy_is_refused(make_server, unix_path: str) -> None:
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--lease-seconds", "0.3")
+    k = key(1, "lease")
+    async with AsyncKVClient(unix(unix_path), namespace="l") as kv:
+        await kv.put([k], [data(k, 5000)])
+        conn, fields = await shm_locate(kv, [k])
+        assert (await kv.stats())["store"]["pinned_blocks"] == 1
+        await asyncio.sleep(1.6)  # past the lease, and past one housekeeping sweep
+        assert (await kv.stats())["store"]["pinned_blocks"] == 0
+        assert await shm_release(conn, fields["handle"]) is False  # the client learns its copy is not safe
+        assert (await kv.stats())["shm"]["expired"] == 1
+        assert [bytes(b) for b in await kv.get([k])] == [data(k, 5000)]  # a normal read is unaffected
+
+
+# ---------------------------------------------------------------- a client killed mid-put
+
+_KILLED_WRITER = textwrap.dedent("""
+    import asyncio, sys
+    from kvstore.client import AsyncKVClient
+    from kvstore.protocol import ShmPut
+
+    async def main(path, keys, size):
+        kv = AsyncKVClient("unix:" + path, namespace="kill")
+        await kv.connect()
+        node = kv.nodes[0]
+        assert node.shm is not None
+        conn = await node.connection()
+        resp = await conn.request(ShmPut(keys=keys, sizes=[size] * len(keys)))
+        for loc in resp.fields["locs"]:
+            views = node.shm.segment.views(loc)
+            views[0][: len(views[0]) // 2] = b"\\xab" * (len(views[0]) // 2)  # half written, then killed
+        print("reserved", resp.fields["handle"], flush=True)
+        await asyncio.sleep(60)
+
+    asyncio.run(main(sys.argv[1], [bytes.fromhex(h) for h in sys.argv[3:]], int(sys.argv[2])))
+""")
+
+
+async def test_client_killed_mid_put_leaves_no_block(make_server, unix_path: str) -> None:
+    srv = make_server("--capacity", "16MiB", "--unix", unix_path)
+    keys = [key(i, "killed") for i in range(3)]
+    size = 300_000
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, unix_path, str(size), *(k.hex() for k in keys)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        assert line.startswith("reserved")
+        async with AsyncKVClient(srv.addr, namespace="kill") as kv:
+            stats = await kv.stats()
+            assert stats["store"]["reserved_bytes"] >= 3 * size  # slots held for the writer...
+            assert await kv.exists(keys) == [False] * 3  # ... and invisible until committed
+            child.kill()  # SIGKILL: no chance to clean up
+            child.wait(10)
+            for _ in range(100):
+                stats = await kv.stats()
+                if stats["store"]["reserved_bytes"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["store"]["reserved_bytes"] == 0 and stats["store"]["blocks"] == 0
+            assert stats["shm"]["aborted_on_close"] == 1
+            assert await kv.exists(keys) == [False] * 3 and await kv.lookup(keys) == 0
+            blocks = [data(k, size) for k in keys]
+            assert (await kv.put(keys, blocks)).stored == 3  # stored afresh, not "existed"
+            assert [bytes(b) for b in await kv.get(keys)] == blocks
+    finally:
+        child.kill()
+        child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+# ---------------------------------------------------------------- who may map the arena
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKEN}\nllama/*:{NS_TOKEN}\n")
+    return path
+
+
+async def test_only_a_client_with_the_token_can_map_the_segment(make_server, unix_path: str, token_file: Path) -> None:
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--token-file", str(token_file))
+    for token in (None, "wrong"):
+        frames, fds = raw_exchange(unix_path, Hello(token=token), ShmAttach())
+        assert fds == []  # no descriptor ever reached it
+        assert error_code(frames[0]) == Unauthorized.code and len(frames) == 1  # refused, then closed
+    frames, fds = raw_exchange(unix_path, ShmAttach())  # skipping HELLO does not help
+    assert fds == [] and error_code(frames[0]) == Unauthorized.code
+    # a token limited to some namespaces is refused too: the arena holds every namespace
+    frames, fds = raw_exchange(unix_path, Hello(token=NS_TOKEN, namespace="llama/a"), ShmAttach())
+    assert fds == [] and error_code(frames[1]) == Unauthorized.code
+    frames, fds = raw_exchange(unix_path, Hello(token=TOKEN), ShmAttach())
+    try:
+        assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20
+        assert os.readlink(f"/proc/self/fd/{fds[0]}").startswith("/memfd:kvstore-arena")  # not a /dev/shm file
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds[0], 4096)  # sealed: a client cannot shrink the arena under the server
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(Unauthorized):
+        async with AsyncKVClient(unix(unix_path), token="wrong", retries=0):
+            pass
+    async with AsyncKVClient(unix(unix_path), token=NS_TOKEN, namespace="llama/a") as limited:
+        assert limited.nodes[0].shm is None  # falls back to the socket, transparently
+        await limited.put([key(1, "tok")], [b"limited"])
+        assert await limited.get([key(1, "tok")]) == [b"limited"]
+    async with AsyncKVClient(unix(unix_path), token=TOKEN, namespace="llama/a") as full:
+        assert full.nodes[0].shm is not None
+        assert [bytes(b) for b in await full.get([key(1, "tok")])] == [b"limited"]
+
+
+# ---------------------------------------------------------------- fallbacks
+
+
+async def test_no_shm_server_falls_back_to_the_socket(make_server, unix_path: str) -> None:
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--no-shm")
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
+    assert fds == [] and "shm" not in reply_fields(frames[0]) and error_code(frames[1]) is not None
+    async with AsyncKVClient(unix(unix_path), shm=True) as kv:
+        assert kv.nodes[0].shm is None
+        await kv.put([key(1, "noshm")], [b"x" * 70_000])
+        assert await kv.get([key(1, "noshm")]) == [b"x" * 70_000]
+        assert (await kv.stats())["shm"]["gets"] == 0
+
+
+async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server, unix_path: str) -> None:
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    k = key(1, "told")
+    async with AsyncKVClient(srv.addr, shm=True) as told, AsyncKVClient(srv.addr) as plain, \
+            AsyncKVClient(unix(unix_path), shm=False) as refused:
+        assert told.nodes[0].shm is not None  # found the announced socket and the same arena
+        assert plain.nodes[0].shm is None and refused.nodes[0].shm is None  # TCP by default; shm=False: never
+        await told.put([k], [b"y" * 50_000])
+        assert await plain.get([k]) == [b"y" * 50_000] and await refused.get([k]) == [b"y" * 50_000]
+        assert (await plain.stats())["shm"]["puts"] == 1
+
+
+async def test_tcp_client_told_shm_true_without_a_unix_socket_uses_tcp(make_server) -> None:
+    srv = make_server("--capacity", "8MiB")
+    async with AsyncKVClient(srv.addr, shm=True) as kv:
+        assert kv.nodes[0].shm is None
+        await kv.put([key(1, "tcp")], [b"z"])
+        assert await kv.get([key(1, "tcp")]) == [b"z"]
+
+
+async def test_server_restart_reattaches_the_new_arena(unix_path: str) -> None:
+    from kvstore.server.process import ServerProcess
+
+    k = key(1, "restart")
+    kv = AsyncKVClient(unix(unix_path), retries=3, backoff=0.1)
+    try:
+        with ServerProcess("--capacity", "8MiB", "--unix", unix_path):
+            await kv.put([k], [b"first"])
+            first = kv.nodes[0].shm
+            assert first is not None
+        with ServerProcess("--capacity", "8MiB", "--unix", unix_path):
+            assert await kv.get([k]) == [None]  # a new, empty server: re-attached, the old mapping never read
+            assert kv.nodes[0].shm is not None and kv.nodes[0].shm is not first
+            await kv.put([k], [b"second"])
+            assert [bytes(b) for b in await kv.get([k])] == [b"second"]
+    finally:
+        await kv.close()

@@ -1,0 +1,100 @@
+"""The Unix domain socket listener (--unix / KVSTORE_UNIX) as a transport of its own, without shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import InvalidRequest, TransportError
+from kvstore.protocol import Frame, FrameReader, Hello, ShmAttach, encode
+from kvstore.server.process import ServerProcess
+
+from shm_helpers import data, error_code, key, raw_exchange, reply_fields, unix_path  # noqa: F401  (fixture)
+
+SIZES = [1, 4095, 64 << 10, (1 << 20) + 3]
+
+
+async def test_unix_round_trip_without_shm(make_server, unix_path: str) -> None:
+    srv = make_server("--capacity", "32MiB", "--unix", unix_path, "--no-shm")
+    st = os.stat(unix_path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    keys = [key(i, "unix") for i in range(len(SIZES))]
+    blocks = [data(k, n) for k, n in zip(keys, SIZES)]
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="u") as kv:
+        assert kv.nodes[0].shm is None  # --no-shm: the socket carries the payload
+        assert (await kv.put(keys, blocks)).stored == len(keys)
+        assert await kv.lookup(keys) == len(keys)
+        assert [bytes(b) for b in await kv.get(keys)] == blocks
+        bufs = [bytearray(n) for n in SIZES]
+        assert await kv.get_into(keys, bufs) == [True] * len(keys)
+        assert bufs == blocks
+        stats = await kv.stats()
+    assert stats["shm"]["offered"] is False and stats["shm"]["gets"] == 0
+    assert stats["bytes_in"] > sum(SIZES)  # the payload crossed the socket
+    async with AsyncKVClient(srv.addr, namespace="u") as tcp:  # the same store, seen over TCP
+        assert [bytes(b) for b in await tcp.get(keys)] == blocks
+
+
+def test_sync_client_over_unix_env_var_and_socket_removed_on_sigterm(unix_path: str) -> None:
+    srv = ServerProcess("--capacity", "16MiB", env={"KVSTORE_UNIX": unix_path, "KVSTORE_NO_SHM": "1"}).start()
+    try:
+        with KVClient(f"unix:{unix_path}", namespace="env") as kv:
+            kv.put([key(1, "env")], [b"hello over a unix socket"])
+            assert kv.get([key(1, "env")]) == [b"hello over a unix socket"]
+        assert os.path.exists(unix_path)
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(unix_path)  # removed on shutdown
+
+
+def test_stale_socket_file_is_replaced_and_a_live_one_refused(unix_path: str) -> None:
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(unix_path)  # bound, never listening: what a crashed server leaves behind
+    stale.close()
+    with ServerProcess("--capacity", "8MiB", "--unix", unix_path) as srv:
+        with KVClient(f"unix:{unix_path}") as kv:
+            assert kv.ping() >= 0
+        second = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "8MiB",
+                                 "--unix", unix_path], capture_output=True, text=True, timeout=30)
+        assert second.returncode != 0
+        assert "another server is listening" in second.stderr
+        with KVClient(f"unix:{unix_path}") as kv:  # the first server kept its socket
+            assert kv.ping() >= 0
+        assert srv.proc is not None and srv.proc.poll() is None
+
+
+async def test_bad_unix_addresses_are_clear_errors(unix_path: str) -> None:
+    with pytest.raises(InvalidRequest):
+        AsyncKVClient("unix:")
+    with pytest.raises(TransportError, match="cannot connect to unix:"):
+        async with AsyncKVClient(f"unix:{unix_path}", retries=0):
+            pass
+
+
+def test_shm_attach_is_refused_over_tcp(make_server, unix_path: str) -> None:
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        sock.sendall(b"".join(bytes(b) for i, m in enumerate((Hello(), ShmAttach()), 1) for b in encode(m, i)))
+        reader, frames = FrameReader(is_server=False), []
+        while len(frames) < 2:
+            chunk, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+            assert not fds and chunk
+            reader.feed(chunk)
+            while isinstance(event := reader.next_event(), Frame):
+                frames.append(event)
+    assert reply_fields(frames[0])["shm"]["path"] == unix_path  # announced (for shm=True clients on this host)
+    assert error_code(frames[1]) == InvalidRequest.code  # only ever answered on the Unix socket
+    # ... and on the Unix socket of the same server it is answered
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
+    try:
+        assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20
+    finally:
+        for fd in fds:
+            os.close(fd)
