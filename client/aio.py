@@ -93,10 +93,16 @@ class _Recycler:
 
 
 class _GetSink:
-    """Receives a GET reply's blocks into new (or recycled) buffers, or into the caller's."""
+    """Receives a GET reply's blocks into new (or recycled) buffers, or into the caller's.
+
+    With ``verify``, each block is checksummed as soon as the next one starts
+    arriving: it is still in cache, and the server keeps filling the socket
+    meanwhile. A block that passes gets checksum 0 (nothing left to check); one
+    that fails keeps its checksum, and the caller reports it.
+    """
 
     def __init__(self, fields: dict[str, Any], n: int, buffers: Sequence[memoryview] | None,
-                 recycler: _Recycler | None = None) -> None:
+                 recycler: _Recycler | None = None, verify: bool = False) -> None:
         sizes, sums = fields.get("sizes"), fields.get("checksums")
         if not isinstance(sizes, list) or len(sizes) != n or not isinstance(sums, list) or len(sums) != n:
             raise ProtocolError("malformed GET reply")
@@ -105,10 +111,13 @@ class _GetSink:
         self.checksums = sums
         self.buffers = buffers
         self.recycler = recycler
+        self.verify = verify
         self.out: list[memoryview | bytearray | None] = [None] * n
         self.errors: dict[int, KVStoreError] = {}
 
     def target(self, j: int) -> list[memoryview] | None:
+        if self.verify and j:
+            self._verify(self.index[j - 1])  # block j-1 is complete
         i, size = self.index[j], self.sizes[j]
         if self.buffers is None:
             buf = self.recycler.take(size) if self.recycler is not None else bytearray(size)
@@ -120,6 +129,11 @@ class _GetSink:
             return None
         self.out[i] = dst
         return [dst]
+
+    def _verify(self, i: int) -> None:
+        blob, expected = self.out[i], self.checksums[i]
+        if blob is not None and expected and checksum(memoryview(blob)) == expected:
+            self.checksums[i] = 0
 
 
 class _Node:
@@ -359,7 +373,7 @@ class AsyncKVClient:
             if node.shm is not None:  # same host: copied out of the arena, verified on the way
                 return await node.shm.get([keys[i] for i in idx], bufs, unpin, self.verify)
             resp = await node.call(Get(keys=[keys[i] for i in idx], unpin=unpin),
-                                   make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler))
+                                   make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
             if resp.sink is None:  # no block present: no payload, no sink
                 return _GetSink(resp.fields, len(idx), bufs)
             assert isinstance(resp.sink, _GetSink)

@@ -178,6 +178,11 @@ class Lookup(_KeysRequest):
     pin: bool = False
     lease_ms: int | None = None
 
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        super().validate(payload_len, limits)
+        if self.lease_ms is not None and (type(self.lease_ms) is not int or not 0 < self.lease_ms <= 2**31):
+            raise InvalidRequest("lease_ms must be a positive integer of milliseconds")
+
 
 @dataclass(frozen=True)
 class Get(_KeysRequest):
@@ -461,6 +466,8 @@ class FrameReader:
                 self._view = memoryview(self._buf)
         elif len(self._buf) - self._w < 4096:
             self._compact()
+            if self._w == len(self._buf):
+                self._grow(2 * len(self._buf))
         return self._view[self._w:]
 
     def buffer_updated(self, n: int) -> None:
@@ -514,8 +521,8 @@ class FrameReader:
             self._r += HEADER_SIZE
         op, rid, meta_len, payload_len = self._header
         if self._w - self._r < meta_len:
-            if meta_len > len(self._buf) - self._r:
-                self._grow(meta_len)
+            if self._w == len(self._buf):  # full: make room, growing only as the bytes actually arrive
+                self._grow(min(meta_len, 2 * len(self._buf)))
             return NEED_DATA
         meta_bytes = self._view[self._r:self._r + meta_len]
         self._r += meta_len
@@ -566,10 +573,10 @@ class FrameReader:
             return None, exc
         return msg, None
 
-    def _grow(self, meta_len: int) -> None:
-        """A fresh, larger buffer holding the unparsed bytes (the old one may still be lent out)."""
+    def _grow(self, size: int) -> None:
+        """A fresh buffer of at least ``size`` bytes holding the unparsed bytes (the old one may still be lent out)."""
         n = self._w - self._r
-        buf = bytearray(max(meta_len, _BUF_SIZE))
+        buf = bytearray(max(size, n, _BUF_SIZE))
         buf[:n] = self._view[self._r:self._w]
         self._buf, self._view = buf, memoryview(buf)
         self._r, self._w = 0, n

@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || ! command -v openssl >/dev/null; then
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || ! command -v openssl >/dev/null \
+   || ! command -v systemd-analyze >/dev/null; then
   sudo_ apt-get update -qq
-  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools openssl >/dev/null
+  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools openssl systemd >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
