@@ -307,8 +307,9 @@ class ShmChannel:
         src = self.segment.views(loc)
         if type(size) is not int or sum(len(v) for v in src) != size or type(expected) is not int:
             raise ProtocolError("malformed SHM_GET reply: sizes and locations disagree")
-        if buffers is None:
-            dst: memoryview | bytearray = bytearray(size)
+        if buffers is None:  # touched memory when the client has a recycled buffer of this size
+            recycler = getattr(self.client, "_recycler", None)
+            dst: memoryview | bytearray = recycler.take(size) if recycler is not None else bytearray(size)
         elif len(buffers[i]) != size:
             outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(buffers[i])}")
             return
