@@ -86,10 +86,32 @@ class _Recycler:
                 if sys.getrefcount(buf) == 3:  # the deque, `buf`, getrefcount's argument: nobody else
                     return buf
         buf = bytearray(size)
+        if self.held + size > self.max_bytes:
+            self._trim(size)
         if self.held + size <= self.max_bytes:
             self._by_size.setdefault(size, deque()).append(buf)
             self.held += size
         return buf
+
+    def _trim(self, size: int) -> None:
+        """Let go of a few dropped buffers of other sizes (a size no longer asked for must not pin memory)."""
+        looked = 0
+        for other, q in list(self._by_size.items()):
+            if other == size:
+                continue
+            for _ in range(len(q)):
+                looked += 1
+                buf = q.popleft()
+                if sys.getrefcount(buf) == 2:  # `buf`, getrefcount's argument: free, forget it
+                    self.held -= other
+                else:
+                    q.append(buf)
+                if looked >= 16:
+                    break
+            if not q:
+                del self._by_size[other]
+            if looked >= 16 or self.held + size <= self.max_bytes:
+                return
 
 
 class _GetSink:
@@ -218,13 +240,16 @@ class AsyncKVClient:
         recycle_bytes: up to this many bytes of blocks returned by ``get`` are reused by
             later ``get`` calls once the caller has dropped every reference to them
             (their memory is already faulted in); 0 allocates every block afresh.
+        split_bytes: a get or get_into of at least twice this many bytes from one server is
+            split into parts of at least this size, sent in parallel over up to ``pool_size``
+            connections (0: one request per server). Puts are never split: a batch is one chain.
     """
 
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", *, namespace: str = "default",
                  token: str | None = None, tls: ssl.SSLContext | bool | str | None = None, pool_size: int = 4,
                  timeout: float = 30.0, connect_timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
                  verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
-                 shm: bool | None = None, recycle_bytes: int = 256 << 20) -> None:
+                 shm: bool | None = None, recycle_bytes: int = 256 << 20, split_bytes: int = 16 << 20) -> None:
         addrs = [addr] if isinstance(addr, str) else list(addr)
         if not addrs:
             raise InvalidRequest("no server address given")
@@ -241,6 +266,8 @@ class AsyncKVClient:
         self.limits = limits
         self.shm = shm
         self._recycler = _Recycler(recycle_bytes) if recycle_bytes > 0 else None
+        self.split_bytes = split_bytes
+        self._block_bytes = 0  # average block size of the last get: how big an unsized read is
         self.nodes = [_Node(a, self) for a in addrs]
         self.ring = Ring([n.addr for n in self.nodes])
 
@@ -268,8 +295,27 @@ class AsyncKVClient:
             groups.setdefault(self.ring.node_of(k), []).append(i)
         return [(self.nodes[n], idx) for n, idx in groups.items()]
 
-    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, list[int]], Awaitable[T]]) -> list[tuple[list[int], T]]:
+    def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, list[int]]]:
+        """Like :meth:`_groups`, with a large read split into parts of at least
+        ``split_bytes`` that go out in parallel over the server's pooled connections
+        (block sizes: the buffers', or the last reply's average for ``get``)."""
         groups = self._groups(keys)
+        if self.split_bytes <= 0 or self.pool_size == 1:
+            return groups
+        out: list[tuple[_Node, list[int]]] = []
+        for node, idx in groups:
+            total = sum(len(buffers[i]) for i in idx) if buffers is not None else len(idx) * self._block_bytes
+            parts = min(self.pool_size, len(idx), total // self.split_bytes)
+            if parts <= 1 or node.shm is not None:
+                out.append((node, idx))
+                continue
+            step = -(-len(idx) // parts)
+            out += [(node, idx[k:k + step]) for k in range(0, len(idx), step)]
+        return out
+
+    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, list[int]], Awaitable[T]],
+                        groups: list[tuple[_Node, list[int]]] | None = None) -> list[tuple[list[int], T]]:
+        groups = self._groups(keys) if groups is None else groups
         if len(groups) == 1:  # one server: no gather, no task (each costs loop iterations per request)
             node, idx = groups[0]
             return [(idx, await fn(node, idx))]
@@ -381,14 +427,20 @@ class AsyncKVClient:
 
         out: list[memoryview | bytearray | None] = [None] * len(keys)
         errors: dict[int, KVStoreError] = {}
-        for idx, sink in await self._per_node(keys, one):
+        found = nbytes = 0
+        for idx, sink in await self._per_node(keys, one, self._read_groups(keys, buffers)):
             for j, i in enumerate(idx):
                 blob = sink.out[j]
                 if blob is not None and self.verify and sink.checksums[j] and checksum(memoryview(blob)) != sink.checksums[j]:
                     errors[i] = IntegrityError(f"block {i} (key {keys[i].hex()}) failed its checksum")
                     blob = None
+                if blob is not None:
+                    found += 1
+                    nbytes += len(blob)
                 out[i] = blob
             errors.update({idx[j]: e for j, e in sink.errors.items()})
+        if found:
+            self._block_bytes = nbytes // found
         if errors:
             first = errors[min(errors)]
             exc = type(first)(f"{len(errors)} of {len(keys)} blocks unusable: {first}")

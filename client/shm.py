@@ -21,12 +21,16 @@ host -- leaves the client on the socket path, transparently.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import mmap
 import os
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 
 import xxhash
@@ -160,6 +164,37 @@ def _map(fd: int, fields: dict[str, Any], populate: bool) -> ShmSegment:
 
 # --------------------------------------------------------------------------- copies
 
+#: Threads copying one batch's blocks. ``memmove`` (ctypes) and xxh3 release the
+#: GIL, so the copies run in parallel: measured here for 32 x 4 MiB out of a
+#: memfd mapping, ~8 GB/s on one core and 10-15 GB/s on two (one core's memcpy
+#: does not saturate DRAM). ``KVSTORE_SHM_COPY_THREADS`` overrides the default.
+COPY_THREADS = max(1, int(os.environ.get("KVSTORE_SHM_COPY_THREADS", "0") or 0) or min(4, os.cpu_count() or 1))
+_PARALLEL_MIN = 2 << 20  # smaller batches are copied inline: a thread hand-off would cost more than it saves
+
+
+def _address(view: memoryview) -> int | None:
+    """Address of a non-empty contiguous byte view, or None where Python has no safe way to it.
+
+    ``view`` itself keeps the memory exported (and so in place) while the address is used.
+    """
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    obj = view.obj
+    if type(obj) is bytes and view.nbytes == len(obj):  # the common read-only source: a whole bytes object
+        return ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value
+    return None
+
+
+def _move(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` as a plain memmove without the GIL where both addresses are known."""
+    if not len(dst):
+        return
+    d, s = _address(dst), _address(src)
+    if d is None or s is None:
+        dst[:] = src  # e.g. a read-only numpy source: correct, only not parallel
+    else:
+        ctypes.memmove(d, s, len(dst))
+
 
 def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bool | None) -> int:
     """Copy the bytes of ``src`` views into ``dst`` views (equal totals); returns xxh3-64 or 0.
@@ -174,7 +209,7 @@ def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bo
         d, s = dst[di], src[si]
         n = min(len(d) - doff, len(s) - soff, CHUNK if h is not None else 1 << 62)
         if n:
-            d[doff:doff + n] = s[soff:soff + n]
+            _move(d[doff:doff + n], s[soff:soff + n])
             if h is not None:
                 h.update(d[doff:doff + n] if hash_dst else s[soff:soff + n])
         doff += n
@@ -186,9 +221,43 @@ def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bo
     return 0 if h is None else h.intdigest()
 
 
-def _flat(buf: Any) -> memoryview:
-    mv = memoryview(buf)
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+class _Workers:
+    """The process's copy threads (COPY_THREADS - 1; the calling thread is the last), made lazily."""
+
+    _lock = threading.Lock()
+    _pool: ThreadPoolExecutor | None = None
+    _pid = 0
+
+    @classmethod
+    def pool(cls) -> ThreadPoolExecutor:
+        with cls._lock:
+            if cls._pool is None or cls._pid != os.getpid():  # a forked child needs threads of its own
+                cls._pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvstore-shm-copy")
+                cls._pid = os.getpid()
+            return cls._pool
+
+
+def _run_all(jobs: Sequence[Callable[[], int]]) -> list[int]:
+    return [job() for job in jobs]
+
+
+def run_copies(jobs: Sequence[Callable[[], int]], nbytes: int) -> list[int]:
+    """Run copy jobs (each returns a checksum or 0) on COPY_THREADS threads; results in job order.
+
+    Returns only when every job has finished, even if one failed: no thread may
+    still write into a caller's buffer after the call is over.
+    """
+    threads = min(COPY_THREADS, len(jobs))
+    if threads < 2 or nbytes < _PARALLEL_MIN:
+        return _run_all(jobs)
+    groups = [jobs[k::threads] for k in range(threads)]  # interleaved: sizes balance
+    futures = [_Workers.pool().submit(_run_all, g) for g in groups[1:]]
+    try:
+        done = [_run_all(groups[0])]
+    finally:
+        wait(futures)
+    done += [f.result() for f in futures]
+    return [done[j % threads][j // threads] for j in range(len(jobs))]
 
 
 # --------------------------------------------------------------------------- operations
@@ -290,11 +359,7 @@ class ShmChannel:
                 await self._release(conn, handle)
             raise ProtocolError("malformed SHM_GET reply")
         try:
-            for i, loc in enumerate(locs):
-                if loc is None:
-                    outcome.checksums[i] = sums[i] if outcome.out[i] is not None else 0  # inline: checked by caller
-                else:
-                    self._copy_out(i, keys[i], sizes[i], sums[i], loc, buffers, verify, outcome)
+            self._copy_out(keys, sizes, sums, locs, buffers, verify, outcome)
         finally:
             held = await self._release(conn, handle) if handle else True
         if not held:
@@ -302,24 +367,39 @@ class ShmChannel:
                                  "(--lease-seconds); the copy was discarded")
         return outcome
 
-    def _copy_out(self, i: int, key: bytes, size: Any, expected: Any, loc: Any, buffers: list[memoryview] | None,
-                  verify: bool, outcome: GetOutcome) -> None:
-        src = self.segment.views(loc)
-        if type(size) is not int or sum(len(v) for v in src) != size or type(expected) is not int:
-            raise ProtocolError("malformed SHM_GET reply: sizes and locations disagree")
+    def _copy_out(self, keys: list[bytes], sizes: list[Any], sums: list[Any], locs: list[Any],
+                  buffers: list[memoryview] | None, verify: bool, outcome: GetOutcome) -> None:
+        """Copy every located block out of the arena (in parallel), checking each copy's checksum."""
+        jobs: list[Callable[[], int]] = []
+        targets: list[tuple[int, memoryview | bytearray, int]] = []
+        for i, loc in enumerate(locs):
+            if loc is None:  # missing, or sent inline: the caller checks an inline block
+                outcome.checksums[i] = sums[i] if outcome.out[i] is not None else 0
+                continue
+            src = self.segment.views(loc)
+            size, expected = sizes[i], sums[i]
+            if type(size) is not int or sum(len(v) for v in src) != size or type(expected) is not int:
+                raise ProtocolError("malformed SHM_GET reply: sizes and locations disagree")
+            dst = self._destination(i, size, buffers, outcome)
+            if dst is not None:
+                jobs.append(partial(copy_runs, [memoryview(dst)], src, True if verify and expected else None))
+                targets.append((i, dst, expected))
+        got = run_copies(jobs, sum(len(t[1]) for t in targets))
+        for (i, dst, expected), checksum in zip(targets, got):
+            if verify and expected and checksum != expected:
+                outcome.errors[i] = IntegrityError(f"block {i} (key {keys[i].hex()}) failed its checksum")
+            else:
+                outcome.out[i] = dst
+
+    def _destination(self, i: int, size: int, buffers: list[memoryview] | None,
+                     outcome: GetOutcome) -> memoryview | bytearray | None:
         if buffers is None:  # touched memory when the client has a recycled buffer of this size
             recycler = getattr(self.client, "_recycler", None)
-            dst: memoryview | bytearray = recycler.take(size) if recycler is not None else bytearray(size)
-        elif len(buffers[i]) != size:
+            return recycler.take(size) if recycler is not None else bytearray(size)
+        if len(buffers[i]) != size:
             outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(buffers[i])}")
-            return
-        else:
-            dst = buffers[i]
-        got = copy_runs([memoryview(dst)], src, True if verify and expected else None)
-        if verify and expected and got != expected:
-            outcome.errors[i] = IntegrityError(f"block {i} (key {key.hex()}) failed its checksum")
-            return
-        outcome.out[i] = dst
+            return None
+        return buffers[i]
 
     async def _release(self, conn: ClientConnection, handle: int) -> bool:
         resp = await self._request(conn, ShmRelease(handle=handle))
@@ -338,14 +418,8 @@ class ShmChannel:
         if type(handle) is not int or not isinstance(locs, list) or len(locs) != len(keys):
             raise ProtocolError("malformed SHM_PUT reply")
         if handle:
-            sums = [0] * len(keys)
             try:
-                for i, loc in enumerate(locs):
-                    if loc is not None:
-                        dst = self.segment.views(loc)
-                        if sum(len(d) for d in dst) != len(views[i]):
-                            raise ProtocolError("SHM_PUT reply: a slot does not match its block's size")
-                        sums[i] = copy_runs(dst, [views[i]], False)
+                sums = self._copy_in(locs, views)
             except BaseException:
                 await self._release(conn, handle)  # abort the reservations rather than publish them
                 raise
@@ -354,6 +428,22 @@ class ShmChannel:
         if not isinstance(status, list) or len(status) != len(keys) or not isinstance(errors, dict):
             raise ProtocolError("malformed SHM_PUT/SHM_COMMIT reply")
         return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+
+    def _copy_in(self, locs: list[Any], views: list[memoryview]) -> list[int]:
+        """Copy each block into its reserved slot (in parallel); their checksums, 0 where not reserved."""
+        jobs: list[Callable[[], int]] = []
+        index: list[int] = []
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                dst = self.segment.views(loc)
+                if sum(len(d) for d in dst) != len(views[i]):
+                    raise ProtocolError("SHM_PUT reply: a slot does not match its block's size")
+                jobs.append(partial(copy_runs, dst, [views[i]], False))
+                index.append(i)
+        sums = [0] * len(locs)
+        for i, checksum in zip(index, run_copies(jobs, sum(len(views[i]) for i in index))):
+            sums[i] = checksum
+        return sums
 
 
 async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None:
@@ -428,5 +518,5 @@ async def measure_throughput(addr: str, *, block_size: int = 4 << 20, batch: int
     return {"put_gbps": total / best_put / 1e9, "get_gbps": total / best_get / 1e9, "shm": float(used_shm)}
 
 
-__all__ = ["CHUNK", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs", "measure_throughput",
-           "open_channel"]
+__all__ = ["CHUNK", "COPY_THREADS", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs",
+           "measure_throughput", "open_channel", "run_copies"]

@@ -21,6 +21,7 @@ raises :class:`~kvstore.errors.ProtocolError` -- nothing else.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Protocol, Sequence
@@ -413,6 +414,20 @@ class _Discard:
 
 
 _BUF_SIZE = 256 << 10
+#: At most this much of the head buffer is offered to one read: what a read takes
+#: in past a frame's head is payload that must be copied out again, and pages
+#: never written stay out of RSS (see _head_buffer).
+_READ_CHUNK = 64 << 10
+
+
+def _head_buffer() -> tuple[Any, memoryview]:
+    """The reader's head buffer: anonymous memory whose pages count in RSS only once
+    written. A ``bytearray`` of the same size is zero-filled, so every connection
+    would cost the whole 256 KiB (measured: 259 KiB of server RSS per connection);
+    this way an idle or request/reply connection costs the pages its frames touch."""
+    buf = mmap.mmap(-1, _BUF_SIZE)
+    return buf, memoryview(buf)
+
 
 
 class FrameReader:
@@ -429,8 +444,7 @@ class FrameReader:
     def __init__(self, limits: Limits = DEFAULT_LIMITS, *, is_server: bool = True) -> None:
         self.limits = limits
         self.is_server = is_server
-        self._buf = bytearray(_BUF_SIZE)
-        self._view = memoryview(self._buf)
+        self._buf, self._view = _head_buffer()
         self._r = 0  # first unconsumed byte in _buf
         self._w = 0  # end of received bytes in _buf
         self._header: tuple[int, int, int, int] | None = None  # op, rid, meta_len, payload_len
@@ -462,13 +476,12 @@ class FrameReader:
         if self._r == self._w:
             self._r = self._w = 0
             if len(self._buf) > _BUF_SIZE:  # a big meta has been parsed: give its buffer back
-                self._buf = bytearray(_BUF_SIZE)
-                self._view = memoryview(self._buf)
+                self._buf, self._view = _head_buffer()
         elif len(self._buf) - self._w < 4096:
             self._compact()
             if self._w == len(self._buf):
                 self._grow(2 * len(self._buf))
-        return self._view[self._w:]
+        return self._view[self._w:self._w + _READ_CHUNK]
 
     def buffer_updated(self, n: int) -> None:
         if self._lent_target:

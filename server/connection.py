@@ -177,7 +177,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _respond(self, rid: int, name: str, op: int, result: Any, t0: float = 0.0) -> None:
         """Write the reply now, or when the tier call it waits on completes."""
-        if inspect.isawaitable(result):
+        if type(result) is not dict and inspect.isawaitable(result):  # in memory: a plain dict, no ABC check
             task = asyncio.ensure_future(self._respond_later(rid, name, op, result, t0))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)

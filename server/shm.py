@@ -34,6 +34,7 @@ Safety of the copies:
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -141,8 +142,8 @@ class ShmService:
         self.config = service.config
         self.tier = service.tier
         self.fd = self.store.arena.fd
-        self.path = getattr(self.config, "unix", None)
-        self.offered = bool(self.path) and bool(getattr(self.config, "shm", True)) and self.fd is not None
+        self.path = self.config.unix
+        self.offered = bool(self.path) and self.config.shm and self.fd is not None
         # Tells a client whether the segment it mapped belongs to the server it talks to
         # (a restarted server has a new arena; a path on another host is another server).
         self.instance = os.urandom(8).hex()
@@ -152,8 +153,19 @@ class ShmService:
 
     # -- helpers
     def _session(self, session: Session) -> ShmSession:
+        """The connection's shm state, after checking it may use shm at all.
+
+        Only a same-host peer (Unix socket or loopback) whose token may map the
+        whole arena: anyone else could, say, commit a reserved slot it never
+        wrote and read back the stale bytes of another namespace's freed block.
+        """
         if not self.offered:
             raise InvalidRequest("this server does not offer shared memory (it needs --unix PATH and no --no-shm)")
+        if not (session.unix or _is_loopback(session.peer)):
+            raise InvalidRequest("shared memory is only for clients on the server's host")
+        if not self._may_map(session):
+            self.counters["refused"] += 1
+            raise Unauthorized("the shared arena holds every namespace: using it needs a token valid for all ('*')")
         st: ShmSession | None = session.shm
         if st is None:
             st = session.shm = ShmSession()
@@ -168,8 +180,9 @@ class ShmService:
 
     @staticmethod
     def _may_map(session: Session) -> bool:
-        """The mapping shows every namespace's blocks, so only a token valid for all may have it."""
-        return session.grant is None or "*" in session.grant.patterns
+        """The mapping shows every namespace's blocks, so only a token valid for all may have it
+        (no grant on an authenticated session: the server has no token file)."""
+        return session.authenticated and (session.grant is None or "*" in session.grant.patterns)
 
     # -- SHM_ATTACH
     def attach(self, session: Session, transport: asyncio.BaseTransport, request_id: int) -> None:
@@ -180,12 +193,9 @@ class ShmService:
             Unauthorized: the connection's token is limited to some namespaces.
             Unavailable: the reply could not be sent with the fd now (retry).
         """
-        self._session(session)
-        if not session.unix:
+        if self.offered and not session.unix:
             raise InvalidRequest("SHM_ATTACH is answered only on the Unix socket (--unix)")
-        if not self._may_map(session):
-            self.counters["refused"] += 1
-            raise Unauthorized("the shared arena holds every namespace: mapping it needs a token valid for all ('*')")
+        self._session(session)
         assert self.fd is not None
         arena = self.store.arena
         frame = reply(ShmAttach.OP, request_id, size=arena.capacity, page_size=arena.page_size,
@@ -370,6 +380,15 @@ class ShmService:
 
 
 # --------------------------------------------------------------------------- the socket side
+
+
+def _is_loopback(peer: str) -> bool:
+    """Whether a TCP peer (``host:port``) is on this host: a ``shm=True`` client over TCP."""
+    host = peer.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None:

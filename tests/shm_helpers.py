@@ -7,12 +7,16 @@ import random
 import shutil
 import socket
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Message, Reply, ShmGet, ShmRelease, encode
+from kvstore.server.process import ServerProcess
+
+#: The ``make_server`` fixture of conftest.py: ``make_server("--capacity", "8MiB")`` -> a started server.
+MakeServer = Callable[..., ServerProcess]
 
 
 def key(i: int, tag: str = "") -> bytes:

@@ -17,7 +17,7 @@ from kvstore.server.app import Server
 from kvstore.server.redis_tier import HEADER_SIZE, block_key
 
 from redis_fixtures import RedisProcess, redis_server  # noqa: F401  (fixture)
-from shm_helpers import data, key, shm_locate, shm_release, unix_path  # noqa: F401  (fixture)
+from shm_helpers import MakeServer, data, key, shm_locate, shm_release, unix_path  # noqa: F401  (fixture)
 
 T = TypeVar("T")
 NS = "integrity"
@@ -43,7 +43,7 @@ async def expect_corrupt(kv: AsyncKVClient, keys: list[bytes], bad: int, blocks:
 # ---------------------------------------------------------------- corrupted in the server's memory
 
 
-async def test_block_corrupted_in_server_memory_is_caught_on_every_path(make_server, unix_path: str) -> None:
+async def test_block_corrupted_in_server_memory_is_caught_on_every_path(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "16MiB", "--unix", unix_path)
     keys = [key(i, "mem") for i in range(4)]
     blocks = [data(k, 200_000) for k in keys]
@@ -128,7 +128,7 @@ def test_block_corrupted_in_a_private_arena_in_process(threaded_server: Threaded
 
 
 async def test_block_corrupted_in_redis_is_caught_on_the_shm_path_and_not_cached(
-        redis_server: RedisProcess, make_server, unix_path: str) -> None:
+        redis_server: RedisProcess, make_server: MakeServer, unix_path: str) -> None:
     keys = [key(i, "redis") for i in range(3)]
     blocks = [data(k, 100_000) for k in keys]
     writer = make_server("--capacity", "8MiB", "--redis", redis_server.url)

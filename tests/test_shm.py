@@ -17,10 +17,10 @@ import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import CapacityError, Unauthorized
-from kvstore.protocol import Hello, ShmAttach
+from kvstore.protocol import Hello, ShmAttach, ShmPut
 
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
-    data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release, unix_path,
+    MakeServer, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release, unix_path,
 )
 
 TOKEN = "global-token-5e1f"
@@ -35,7 +35,7 @@ def unix(path: str) -> str:
 
 
 @pytest.mark.parametrize("size", [1 << 20, 4 << 20], ids=["1MiB", "4MiB"])
-async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_server, unix_path: str, size: int) -> None:
+async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_server: MakeServer, unix_path: str, size: int) -> None:
     make_server("--capacity", "256MiB", "--unix", unix_path)
     keys = [key(i, f"rt{size}") for i in range(32)]
     blocks = [data(k, size) for k in keys]
@@ -55,7 +55,7 @@ async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_serve
     assert stats["store"]["pinned_blocks"] == 0  # every read pin released
 
 
-async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server, unix_path: str) -> None:
+async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path, "--page-size", "4KiB")
     sizes = [0, 1, 4095, 4096, 4097, 300_001]  # empty, sub-page, page edges, many pages
     keys = [key(i, "odd") for i in range(len(sizes))]
@@ -73,7 +73,7 @@ async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server, unix_path: 
         assert (await kv.stats())["store"]["pinned_blocks"] == 0
 
 
-def test_sync_client_uses_shm_too(make_server, unix_path: str) -> None:
+def test_sync_client_uses_shm_too(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path)
     keys = [key(i, "sync") for i in range(4)]
     blocks = [data(k, 100_000) for k in keys]
@@ -84,7 +84,7 @@ def test_sync_client_uses_shm_too(make_server, unix_path: str) -> None:
         assert kv.stats()["shm"]["gets"] == 1
 
 
-async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server, unix_path: str) -> None:
+async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "64MiB", "--unix", unix_path)
     keys = [key(i, "both") for i in range(48)]
     blocks = [data(k, random.Random(i).randrange(1, 300_000)) for i, k in enumerate(keys)]
@@ -97,7 +97,7 @@ async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server, un
             for r in range(rounds):
                 order = random.Random(r).sample(range(len(keys)), len(keys))
                 got = await kv.get([keys[i] for i in order])
-                assert [bytes(g) for g in got] == [blocks[i] for i in order]  # type: ignore[arg-type]
+                assert [bytes(g) for g in got] == [blocks[i] for i in order]
 
         await asyncio.gather(read(shm_kv, 6), read(tcp_kv, 6), read(shm_kv, 6),
                              shm_kv.put(keys, blocks), tcp_kv.put(keys, blocks))
@@ -108,7 +108,7 @@ async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server, un
 # ---------------------------------------------------------------- pins under eviction churn
 
 
-async def test_eviction_churn_never_tears_a_pinned_shm_read(make_server, unix_path: str) -> None:
+async def test_eviction_churn_never_tears_a_pinned_shm_read(make_server: MakeServer, unix_path: str) -> None:
     """Randomised: writers over shm and TCP keep a small store evicting while readers hold SHM_GET
     pins across a pause, then check every byte they copy. Without the pins the paused readers would
     copy slots that eviction handed to newer blocks."""
@@ -166,7 +166,7 @@ async def test_eviction_churn_never_tears_a_pinned_shm_read(make_server, unix_pa
     assert stats["store"]["pinned_blocks"] == 0 and stats["shm"]["open_handles"] == 0
 
 
-async def test_read_pins_time_out_and_the_copy_is_refused(make_server, unix_path: str) -> None:
+async def test_read_pins_time_out_and_the_copy_is_refused(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "8MiB", "--unix", unix_path, "--lease-seconds", "0.3")
     k = key(1, "lease")
     async with AsyncKVClient(unix(unix_path), namespace="l") as kv:
@@ -204,7 +204,7 @@ _KILLED_WRITER = textwrap.dedent("""
 """)
 
 
-async def test_client_killed_mid_put_leaves_no_block(make_server, unix_path: str) -> None:
+async def test_client_killed_mid_put_leaves_no_block(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "16MiB", "--unix", unix_path)
     keys = [key(i, "killed") for i in range(3)]
     size = 300_000
@@ -248,7 +248,7 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
-async def test_only_a_client_with_the_token_can_map_the_segment(make_server, unix_path: str, token_file: Path) -> None:
+async def test_only_a_client_with_the_token_can_map_the_segment(make_server: MakeServer, unix_path: str, token_file: Path) -> None:
     make_server("--capacity", "8MiB", "--unix", unix_path, "--token-file", str(token_file))
     for token in (None, "wrong"):
         frames, fds = raw_exchange(unix_path, Hello(token=token), ShmAttach())
@@ -257,8 +257,10 @@ async def test_only_a_client_with_the_token_can_map_the_segment(make_server, uni
     frames, fds = raw_exchange(unix_path, ShmAttach())  # skipping HELLO does not help
     assert fds == [] and error_code(frames[0]) == Unauthorized.code
     # a token limited to some namespaces is refused too: the arena holds every namespace
-    frames, fds = raw_exchange(unix_path, Hello(token=NS_TOKEN, namespace="llama/a"), ShmAttach())
+    frames, fds = raw_exchange(unix_path, Hello(token=NS_TOKEN, namespace="llama/a"), ShmAttach(),
+                               ShmPut(keys=[key(0, "tok")], sizes=[10]))
     assert fds == [] and error_code(frames[1]) == Unauthorized.code
+    assert error_code(frames[2]) == Unauthorized.code  # nor may it reserve (and publish unwritten) slots
     frames, fds = raw_exchange(unix_path, Hello(token=TOKEN), ShmAttach())
     try:
         assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20
@@ -283,7 +285,7 @@ async def test_only_a_client_with_the_token_can_map_the_segment(make_server, uni
 # ---------------------------------------------------------------- fallbacks
 
 
-async def test_no_shm_server_falls_back_to_the_socket(make_server, unix_path: str) -> None:
+async def test_no_shm_server_falls_back_to_the_socket(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "8MiB", "--unix", unix_path, "--no-shm")
     frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
     assert fds == [] and "shm" not in reply_fields(frames[0]) and error_code(frames[1]) is not None
@@ -294,7 +296,7 @@ async def test_no_shm_server_falls_back_to_the_socket(make_server, unix_path: st
         assert (await kv.stats())["shm"]["gets"] == 0
 
 
-async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server, unix_path: str) -> None:
+async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     k = key(1, "told")
     async with AsyncKVClient(srv.addr, shm=True) as told, AsyncKVClient(srv.addr) as plain, \
@@ -306,7 +308,7 @@ async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server, u
         assert (await plain.stats())["shm"]["puts"] == 1
 
 
-async def test_tcp_client_told_shm_true_without_a_unix_socket_uses_tcp(make_server) -> None:
+async def test_tcp_client_told_shm_true_without_a_unix_socket_uses_tcp(make_server: MakeServer) -> None:
     srv = make_server("--capacity", "8MiB")
     async with AsyncKVClient(srv.addr, shm=True) as kv:
         assert kv.nodes[0].shm is None

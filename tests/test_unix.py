@@ -16,12 +16,12 @@ from kvstore.errors import InvalidRequest, TransportError
 from kvstore.protocol import Frame, FrameReader, Hello, ShmAttach, encode
 from kvstore.server.process import ServerProcess
 
-from shm_helpers import data, error_code, key, raw_exchange, reply_fields, unix_path  # noqa: F401  (fixture)
+from shm_helpers import MakeServer, data, error_code, key, raw_exchange, reply_fields, unix_path  # noqa: F401  (fixture)
 
 SIZES = [1, 4095, 64 << 10, (1 << 20) + 3]
 
 
-async def test_unix_round_trip_without_shm(make_server, unix_path: str) -> None:
+async def test_unix_round_trip_without_shm(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "32MiB", "--unix", unix_path, "--no-shm")
     st = os.stat(unix_path)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
@@ -78,11 +78,11 @@ async def test_bad_unix_addresses_are_clear_errors(unix_path: str) -> None:
             pass
 
 
-def test_shm_attach_is_refused_over_tcp(make_server, unix_path: str) -> None:
+def test_shm_attach_is_refused_over_tcp(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
         sock.sendall(b"".join(bytes(b) for i, m in enumerate((Hello(), ShmAttach()), 1) for b in encode(m, i)))
-        reader, frames = FrameReader(is_server=False), []
+        reader, frames = FrameReader(is_server=False), list[Frame]()
         while len(frames) < 2:
             chunk, fds, _, _ = socket.recv_fds(sock, 65536, 4)
             assert not fds and chunk

@@ -35,8 +35,8 @@ from .targets import KVStoreTarget, RawTarget, RedisTarget, Target, lmcache_stat
 
 PRESETS = {
     # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks)
-    "quick": (3, 24, 100, 0.6, 64, 10_000),
-    "full": (5, 160, 400, 2.0, 512, 100_000),
+    "quick": (3, 16, 50, 0.4, 64, 10_000),
+    "full": (7, 96, 300, 1.5, 512, 100_000),
 }
 
 
@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chains", default="1,64,1024", help="prefix-lookup chain lengths")
     p.add_argument("--lookup-reps", type=int, help="lookups per trial")
     p.add_argument("--clients", default="1,8,64", help="concurrency sweep: clients")
-    p.add_argument("--conc-ops", default="get_into,put", help="concurrency sweep: ops")
+    p.add_argument("--conc", default="get_into:4,put:4,get:1",
+                   help="concurrency sweep: op:batch workloads (ops: get_into, get, put)")
     p.add_argument("--conc-size", default="1m", help="concurrency sweep: block size")
-    p.add_argument("--conc-batch", type=int, default=4, help="concurrency sweep: blocks per request")
     p.add_argument("--conc-seconds", type=float, help="concurrency sweep: seconds per point and trial")
     p.add_argument("--fill-mib", type=int, help="capacity run: server capacity in MiB")
     p.add_argument("--small-blocks", type=int, help="memory run: number of 4 KiB blocks")
@@ -146,11 +146,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [kv] if kv is not None else []
         if "concurrency" not in skip and kv is not None:
             conc_size = parse_sizes(args.conc_size)[0]
-            _say(f"# concurrency: clients {args.clients}, {fmt_size(conc_size)} x{args.conc_batch}, "
-                 f"{conc_seconds}s per point, {trials} trials")
+            workloads = [(w.split(":")[0], int(w.split(":")[1]) if ":" in w else 1) for w in args.conc.split(",")]
+            conc_trials = min(trials, 5)
+            _say(f"# concurrency: clients {args.clients}, {fmt_size(conc_size)} blocks, {workloads}, "
+                 f"{conc_seconds}s per point, {conc_trials} trials")
             c0 = LoadMeter([kv.pid])
-            res["concurrency"] = await run_concurrency(kv, parse_ints(args.clients), args.conc_ops.split(","),
-                                                       conc_size, args.conc_batch, conc_seconds, trials, _say)
+            res["concurrency"] = await run_concurrency(kv, parse_ints(args.clients), workloads, conc_size,
+                                                       conc_seconds, conc_trials, _say)
             res["concurrency_load"] = c0.report()
         if kv is not None:
             await kv.stop()
@@ -181,6 +183,10 @@ def print_report(res: dict[str, Any]) -> None:
     _say(f"load: other work on the machine {load['other_cpu_cores']} cores on average "
          f"(ours {load['own_cpu_cores']}), loadavg {load['loadavg1_start']} -> {load['loadavg1_end']}, "
          f"{load['elapsed_s']} s")
+    for phase in ("matrix_load", "concurrency_load"):
+        if res.get(phase):
+            pl = res[phase]
+            _say(f"  during {phase.split('_')[0]}: other work {pl['other_cpu_cores']} cores, ours {pl['own_cpu_cores']}")
     for n in res["notes"]:
         _say(f"note: {n}")
     if res.get("matrix"):

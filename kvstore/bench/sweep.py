@@ -32,29 +32,39 @@ from .targets import KVStoreTarget
 Log = Callable[[str], None]
 
 
-async def run_concurrency(kv: KVStoreTarget, clients: list[int], ops: list[str], size: int, batch: int,
+async def run_concurrency(kv: KVStoreTarget, clients: list[int], workloads: list[tuple[str, int]], size: int,
                           seconds: float, trials: int, log: Log) -> list[dict[str, Any]]:
+    """``workloads``: (op, batch) pairs, e.g. ``[("get_into", 4), ("put", 4), ("get", 1)]``."""
     from kvstore.client import AsyncKVClient
 
     most = max(clients)
     conns = [AsyncKVClient(kv.server.addr, namespace="bench", pool_size=1, timeout=120) for _ in range(most)]
     await asyncio.gather(*(c.connect() for c in conns))
-    keys = make_keys(f"conc:{size}:{batch}", batch)
-    blocks = make_blocks(size, batch)
+    biggest = max(b for _, b in workloads)
+    keys = make_keys(f"conc:{size}", biggest)
+    blocks = make_blocks(size, biggest)
     await kv.client.put(keys, blocks)
-    dsts = [[bytearray(b"\x01") * size for _ in range(batch)] for _ in range(most)]
+    dsts = [[bytearray(b"\x01") * size for _ in range(biggest)] for _ in range(most)]  # each client's own
     seq = [0]
 
-    def make_op(op: str, j: int) -> Callable[[], Any]:
-        c = conns[j]
+    def make_op(op: str, batch: int, j: int) -> Callable[[], Any]:
+        c, ks = conns[j], keys[:batch]
         if op == "get_into":
-            return lambda: c.get_into(keys, dsts[j])
+            dst = dsts[j][:batch]
+
+            async def get_into() -> None:
+                if not all(await c.get_into(ks, dst)):
+                    raise RuntimeError("concurrency: a block went missing")
+            return get_into
         if op == "get":
-            return lambda: c.get(keys)
+            async def get() -> None:
+                if None in await c.get(ks):
+                    raise RuntimeError("concurrency: a block went missing")
+            return get
         if op == "put":
             def put() -> Any:
                 seq[0] += 1
-                return c.put(make_keys(f"cput:{seq[0]}", batch), blocks)
+                return c.put(make_keys(f"cput:{seq[0]}", batch), blocks[:batch])
             return put
         raise ValueError(op)
 
@@ -65,23 +75,24 @@ async def run_concurrency(kv: KVStoreTarget, clients: list[int], ops: list[str],
             await fn()
             lat.append(clock() - s)
 
-    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    results: dict[tuple[str, int, int], dict[str, list[float]]] = {}
     try:
-        for op in ops:
+        for op, batch in workloads:
+            await kv.client.put(keys, blocks)  # stored again: the put workload may have evicted them
             for n in clients:  # warm every connection once
-                await asyncio.gather(*(make_op(op, j)() for j in range(n)))
+                await asyncio.gather(*(make_op(op, batch, j)() for j in range(n)))
             for trial in range(trials):
                 order = clients[trial % len(clients):] + clients[:trial % len(clients)]
                 for n in order:
                     lats: list[list[int]] = [[] for _ in range(n)]
                     c0, s0, t0 = self_cpu_s(), proc_cpu_s(kv.pid), time.perf_counter()
                     stop = time.monotonic() + seconds
-                    await asyncio.gather(*(loop(make_op(op, j), stop, lats[j]) for j in range(n)))
+                    await asyncio.gather(*(loop(make_op(op, batch, j), stop, lats[j]) for j in range(n)))
                     wall = time.perf_counter() - t0
                     c1, s1 = self_cpu_s(), proc_cpu_s(kv.pid)
                     flat = [x for l in lats for x in l]
-                    r = results.setdefault((op, n), {"gbps": [], "p50": [], "p99": [], "srv": [], "cli": [],
-                                                      "fair": []})
+                    r = results.setdefault((op, batch, n), {"gbps": [], "p50": [], "p99": [], "srv": [], "cli": [],
+                                                             "fair": []})
                     r["gbps"].append(len(flat) * batch * size / wall / 1e9)
                     r["p50"].append(pct(flat, 0.5) / 1e3)
                     r["p99"].append(pct(flat, 0.99) / 1e3)
@@ -93,10 +104,10 @@ async def run_concurrency(kv: KVStoreTarget, clients: list[int], ops: list[str],
     finally:
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
     out = []
-    for op in ops:
-        base = median(results[(op, clients[0])]["gbps"])
+    for op, batch in workloads:
+        base = median(results[(op, batch, clients[0])]["gbps"])
         for n in clients:
-            r = results[(op, n)]
+            r = results[(op, batch, n)]
             g = median(r["gbps"])
             p50, p99 = median(r["p50"]), median(r["p99"])
             row = {"op": op, "clients": n, "size": size, "batch": batch, "seconds": seconds,
@@ -108,7 +119,7 @@ async def run_concurrency(kv: KVStoreTarget, clients: list[int], ops: list[str],
                    "client_cpu": round(median(r["cli"]), 2),
                    "fairness_min_over_max": round(median(r["fair"]), 2)}
             out.append(row)
-            log(f"# conc {op:8s} clients={n:<3d} {fmt_size(size)} x{batch}: {row['gbps']:.3f} GB/s "
+            log(f"# conc {op:8s} {fmt_size(size)} x{batch} clients={n:<3d}: {row['gbps']:.3f} GB/s "
                 f"({row['vs_first']}x of {clients[0]} client) p50={row['p50_us']:.0f}us p99={row['p99_us']:.0f}us "
                 f"p99/p50={row['p99_over_p50']} srv_cpu={row['server_cpu']} cli_cpu={row['client_cpu']} "
                 f"fairness={row['fairness_min_over_max']}")
