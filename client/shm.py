@@ -387,7 +387,7 @@ class ShmChannel:
         got = run_copies(jobs, sum(len(t[1]) for t in targets))
         for (i, dst, expected), checksum in zip(targets, got):
             if verify and expected and checksum != expected:
-                outcome.errors[i] = IntegrityError(f"block {i} (key {keys[i].hex()}) failed its checksum")
+                outcome.errors[i] = IntegrityError(f"block with key {keys[i].hex()} failed its checksum")
             else:
                 outcome.out[i] = dst
 
@@ -397,7 +397,8 @@ class ShmChannel:
             recycler = getattr(self.client, "_recycler", None)
             return recycler.take(size) if recycler is not None else bytearray(size)
         if len(buffers[i]) != size:
-            outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(buffers[i])}")
+            outcome.errors[i] = BlockSizeError(f"block {i} of this server's share has {size} bytes "
+                                               f"but its buffer has {len(buffers[i])}")
             return None
         return buffers[i]
 

@@ -414,17 +414,15 @@ class _Discard:
 
 
 _BUF_SIZE = 256 << 10
-#: At most this much of the head buffer is offered to one read: what a read takes
-#: in past a frame's head is payload that must be copied out again, and pages
-#: never written stay out of RSS (see _head_buffer).
-_READ_CHUNK = 64 << 10
 
 
 def _head_buffer() -> tuple[Any, memoryview]:
     """The reader's head buffer: anonymous memory whose pages count in RSS only once
     written. A ``bytearray`` of the same size is zero-filled, so every connection
     would cost the whole 256 KiB (measured: 259 KiB of server RSS per connection);
-    this way an idle or request/reply connection costs the pages its frames touch."""
+    this way a connection costs the pages its reads have written: a few KiB for small
+    requests, the whole buffer only where large reads land in it (payload that arrives
+    with a frame's head; offering less measured slower, an extra read per block)."""
     buf = mmap.mmap(-1, _BUF_SIZE)
     return buf, memoryview(buf)
 
@@ -481,7 +479,7 @@ class FrameReader:
             self._compact()
             if self._w == len(self._buf):
                 self._grow(2 * len(self._buf))
-        return self._view[self._w:self._w + _READ_CHUNK]
+        return self._view[self._w:]
 
     def buffer_updated(self, n: int) -> None:
         if self._lent_target:

@@ -128,6 +128,8 @@ async def run_concurrency(kv: KVStoreTarget, clients: list[int], workloads: list
 
 async def run_capacity(capacity: int, block: int, batch: int, fill_factor: float, log: Log) -> dict[str, Any]:
     """Fill a fresh server to ``fill_factor`` x its capacity (eviction running); sample its RSS."""
+    block = max(4 * KiB, min(block, capacity // 64))
+    batch = max(1, min(batch, capacity // (4 * block)))  # a batch must fit well within the store
     kv = KVStoreTarget(str(capacity))
     await kv.start()
     try:

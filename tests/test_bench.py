@@ -1,0 +1,155 @@
+"""kvstore-bench: a tiny run end to end (sane JSON, no timing asserts), its helpers, and the
+client data-path features it measures (recycled ``get`` buffers, split reads, request timeouts)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.bench.common import make_keys, parse_sizes, pct
+from kvstore.bench.profile import summarize_collapsed
+from kvstore.bench.report import add_ratios, check_targets, matrix_table
+from kvstore.client import AsyncKVClient
+from kvstore.errors import RequestTimeout
+from kvstore.server.process import ServerProcess
+
+HAVE_REDIS = shutil.which("redis-server") is not None
+
+
+def test_tiny_run_writes_sane_json(tmp_path: Path) -> None:
+    out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "kvstore.bench.cli", "--quick", "--sizes", "4k,16k", "--batches", "1,2",
+           "--trials", "1", "--target-mib", "0.05", "--min-rounds", "2", "--capacity", "16MiB",
+           "--chains", "1,8", "--lookup-reps", "5", "--clients", "1,2", "--conc", "get_into:2,put:2,get:1",
+           "--conc-size", "16k", "--conc-seconds", "0.1", "--fill-mib", "4", "--small-blocks", "200",
+           "--json", str(out), "--chart", str(chart)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = json.loads(out.read_text())
+
+    systems = {"raw", "kvstore"} | ({"redis"} if HAVE_REDIS else set())
+    assert {r["system"] for r in res["matrix"]} == systems
+    cells = {(r["size"], r["batch"]) for r in res["matrix"]}
+    assert cells == {(4096, 1), (4096, 2), (16384, 1), (16384, 2)}
+    for r in res["matrix"]:
+        assert r["gbps"] > 0 and r["blocks_per_s"] > 0 and 0 < r["p50_us"] <= r["p99_us"]
+        if r["system"] == "kvstore":
+            assert r["vs_raw"] > 0
+            assert (r["vs_redis"] is not None) == HAVE_REDIS
+    assert {(r["op"], r["chain"]) for r in res["lookup"] if r["system"] == "kvstore"} == {("lookup", 1), ("lookup", 8)}
+    assert {(r["op"], r["batch"], r["clients"]) for r in res["concurrency"]} == {
+        (op, b, n) for op, b in (("get_into", 2), ("put", 2), ("get", 1)) for n in (1, 2)}
+    cap = res["capacity"]
+    assert cap["evictions"] > 0 and cap["rss_peak"] >= cap["rss_start"] > 0
+    assert res["small_blocks"]["stored_blocks"] == 200
+    assert res["index_overhead"]["heap_bytes_per_block"] > 0
+    assert res["load"]["ncpu"] == os.cpu_count()
+    assert any("LMCache" in n for n in res["notes"])
+    assert {t["target"].split()[0] for t in res["targets"]} >= {"RSS"} | ({"no"} if HAVE_REDIS else set())
+    assert "throughput" in done.stdout and "targets" in done.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not chart.exists()
+    else:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_helpers() -> None:
+    assert parse_sizes("64k,1m,4096,2MiB") == [65536, 1 << 20, 4096, 2 << 20]
+    assert pct([5, 1, 3, 2, 4], 0.5) == 3 and pct([], 0.5) == 0.0 and pct([1, 2], 0.99) == 2
+    assert len(set(make_keys("t", 100))) == 100
+
+
+def _row(system: str, op: str, gbps: float, size: int = 1 << 20, batch: int = 32) -> dict:
+    return {"system": system, "op": op, "size": size, "batch": batch, "gbps": gbps, "blocks_per_s": 1,
+            "p50_us": 1.0, "p99_us": 2.0, "server_cpu": None, "client_cpu": 0.1}
+
+
+def test_ratios_and_targets() -> None:
+    rows = [_row("raw", "up", 4.0), _row("raw", "down", 4.0), _row("kvstore", "put", 3.6),
+            _row("kvstore", "get_into", 2.0), _row("redis", "set", 3.0), _row("redis", "get", 1.0),
+            _row("redis", "mget", 1.6)]
+    add_ratios(rows)
+    put, get_into = rows[2], rows[3]
+    assert (put["vs_raw"], put["vs_redis"], put["vs_redis_op"]) == (0.9, 1.2, "set")
+    assert (get_into["vs_raw"], get_into["vs_redis"], get_into["vs_redis_op"]) == (0.5, 1.25, "mget")
+    targets = {t["target"]: t["ok"] for t in check_targets({"matrix": rows})}
+    assert targets["put 1MiB x32 >= 0.8x raw"] is True
+    assert targets["get_into 1MiB x32 >= 0.8x raw"] is False
+    assert targets["get_into 1MiB x32 >= 1.5x redis GET/MGET"] is False
+    assert targets["no cell below 1.0x redis"] is True
+    assert "1MiB" in matrix_table(rows)
+
+
+def test_profile_summary(tmp_path: Path) -> None:
+    raw = tmp_path / "stacks.txt"
+    raw.write_text("main (a.py:1);read (libc.so.6) 30\nmain (a.py:1);parse (protocol.py:10) 10\n")
+    text = summarize_collapsed(str(raw))
+    assert "40 samples" in text and "75.0%  read (libc.so.6)" in text and "100.0%  main (a.py)" in text
+
+
+# ---------------------------------------------------------------- data-path features the bench measures
+
+
+async def test_get_recycles_only_dropped_buffers() -> None:
+    with ServerProcess("--capacity", "32MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", recycle_bytes=8 << 20) as kv:
+            keys = make_keys("r", 4)
+            blocks = [bytes([i + 1]) * 65536 for i in range(4)]
+            await kv.put(keys, blocks)
+            first = await kv.get(keys)
+            kept = first[0]  # the caller still holds block 0 (and a view of block 1)
+            view = memoryview(first[1])
+            ids = [id(b) for b in first]
+            del first
+            gc.collect()
+            second = await kv.get(keys)
+            assert [bytes(b) for b in second] == blocks
+            reused = {id(b) for b in second} & set(ids)
+            assert reused == set(ids[2:])  # the dropped ones serve again (already touched); held ones never
+            assert bytes(kept) == blocks[0] and bytes(view) == blocks[1]
+            await kv.put(make_keys("r2", 1), [b"\x07" * 65536])
+            assert bytes(kept) == blocks[0]  # a held block never changes under its owner
+
+
+async def test_large_read_is_split_over_connections() -> None:
+    with ServerProcess("--capacity", "64MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=4, split_bytes=256 << 10) as kv:
+            keys = make_keys("s", 24)
+            blocks = [os.urandom(100_000 + i) for i in range(24)]
+            present = [i for i in range(24) if i % 5]
+            await kv.put([keys[i] for i in present], [blocks[i] for i in present])
+            for _ in range(2):  # the second get knows the block size, so it splits too
+                out = await kv.get(keys)
+                assert [None if b is None else bytes(b) for b in out] == [
+                    blocks[i] if i in present else None for i in range(24)]
+            bufs = [bytearray(len(b)) for b in blocks]
+            assert await kv.get_into(keys, bufs) == [i in present for i in range(24)]
+            assert all(bufs[i] == blocks[i] for i in present)
+            assert len(kv.nodes[0].conns) > 1
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+async def test_request_timeout_discards_the_connection() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", timeout=0.5) as kv:
+            keys = make_keys("t", 1)
+            await kv.put(keys, [b"x" * 1000])
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(RequestTimeout):
+                    await kv.get(keys)
+                assert all(c.closed for c in kv.nodes[0].conns)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert bytes((await kv.get(keys))[0]) == b"x" * 1000  # a new connection
