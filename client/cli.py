@@ -128,8 +128,9 @@ def read_token(path: str | None) -> str | None:
 
 def make_client(args: argparse.Namespace) -> AsyncKVClient:
     tls: Any = args.tls_ca or (True if args.tls else None)
-    if ":" not in args.addr or not args.addr.rpartition(":")[2].isdigit():
-        raise UsageError(f"--addr must be HOST:PORT, not {args.addr!r}")
+    unix = args.addr.startswith("unix:") and len(args.addr) > len("unix:")
+    if not unix and (":" not in args.addr or not args.addr.rpartition(":")[2].isdigit()):
+        raise UsageError(f"--addr must be HOST:PORT or unix:/path/to.sock, not {args.addr!r}")
     return AsyncKVClient(args.addr, namespace=args.namespace, token=read_token(args.token_file), tls=tls,
                          pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
                          server_hostname=args.tls_server_name)

@@ -98,3 +98,10 @@ def test_shm_attach_is_refused_over_tcp(make_server: MakeServer, unix_path: str)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_cli_speaks_over_the_unix_socket(make_server: MakeServer, unix_path: str) -> None:
+    make_server("--capacity", "16MiB", "--unix", unix_path)
+    out = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "--addr", f"unix:{unix_path}", "ping"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("PONG from unix:"), out.stderr
