@@ -17,6 +17,13 @@ def server() -> Iterator[ServerProcess]:
         yield srv
 
 
+@pytest.fixture(scope="module")
+def kv_server() -> Iterator[ServerProcess]:
+    """A real kvstore-server (256 MiB) shared by one test module."""
+    with ServerProcess("--capacity", "256MiB") as srv:
+        yield srv
+
+
 @pytest.fixture
 def make_server() -> Iterator:
     """Start servers with custom flags: ``make_server("--capacity", "8MiB")``."""

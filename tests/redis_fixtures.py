@@ -10,6 +10,8 @@ the fixture that started it. Tests import the fixtures from here::
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 import signal
 import socket
 import ssl
@@ -237,3 +239,19 @@ async def eventually(cond: Callable[[], Awaitable[bool]], timeout: float, what: 
             return
         await asyncio.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ------------------------------------------------------------------ data helpers shared by the Redis tests
+
+
+def chain(n: int, tag: str) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
+
+
+def payloads(got: list[bytearray | None]) -> list[bytes | None]:
+    """A get's result as comparable bytes (None stays None)."""
+    return [None if g is None else bytes(g) for g in got]
+
+
+def blocks(keys: list[bytes], size: int) -> list[bytes]:
+    return [random.Random(k).randbytes(size) for k in keys]

@@ -10,12 +10,10 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pytest
 import torch
 
 from kvstore.server.process import ServerProcess
@@ -24,17 +22,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pd_disaggregation.
 P1 = "The quick brown fox jumps over"  # 30 tokens: 3 full offloaded blocks of 8
 P2 = "The quick brown fox jumps under the lazy dog"  # 44 tokens; its first 3 blocks are P1's
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def kv_server() -> Iterator[ServerProcess]:
-    """A real ``kvstore-server`` on 127.0.0.1 (any free port), stopped in any case."""
-    srv = ServerProcess("--capacity", "256MiB")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def load_example() -> ModuleType:

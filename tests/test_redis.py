@@ -7,8 +7,6 @@ processes on free loopback ports, and checks Redis with the real ``redis-cli``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import random
 import signal
 import subprocess
 import sys
@@ -21,23 +19,10 @@ from kvstore.errors import IntegrityError, Unavailable
 from kvstore.server.process import ServerProcess
 from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, ns_record_key
 
-from redis_fixtures import RedisProcess, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
+from redis_fixtures import blocks, chain, payloads, RedisProcess, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
 
 NS = "llama3-8b/bf16/tp0"
 MEM = "16MiB"  # kvstore memory per server: small, so servers start fast
-
-
-def chain(n: int, tag: str) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
-
-
-def payloads(got: list[bytearray | None]) -> list[bytes | None]:
-    """A get's result as comparable bytes (None stays None)."""
-    return [None if g is None else bytes(g) for g in got]
-
-
-def blocks(keys: list[bytes], size: int) -> list[bytes]:
-    return [random.Random(k).randbytes(size) for k in keys]
 
 
 async def tier_stats(srv: ServerProcess) -> dict:

@@ -6,8 +6,6 @@ correct across slots, and several servers share every block.
 
 from __future__ import annotations
 
-import hashlib
-import random
 
 import pytest
 
@@ -15,22 +13,9 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import Unavailable
 from kvstore.server.redis_tier import block_key, ns_record_key
 
-from redis_fixtures import RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
+from redis_fixtures import blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
 
 MEM = "16MiB"
-
-
-def chain(n: int, tag: str) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}:{i}".encode()).digest() for i in range(n)]
-
-
-def payloads(got: list[bytearray | None]) -> list[bytes | None]:
-    """A get's result as comparable bytes (None stays None)."""
-    return [None if g is None else bytes(g) for g in got]
-
-
-def blocks(keys: list[bytes], size: int) -> list[bytes]:
-    return [random.Random(k).randbytes(size) for k in keys]
 
 
 def holders(cluster: RedisClusterProcesses, ns: str, keys: list[bytes]) -> list[int]:

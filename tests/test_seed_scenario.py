@@ -33,17 +33,6 @@ LAYERS = 2
 EOS = 99
 
 
-@pytest.fixture(scope="module")
-def kv_server() -> Iterator[ServerProcess]:
-    """A real ``kvstore-server`` on 127.0.0.1 (any free port), stopped in any case."""
-    srv = ServerProcess("--capacity", "256MiB")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 class RecordingClient:
     """The real client, noting which keys went out in puts (to assert on what was sent)."""
 
