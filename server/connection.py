@@ -177,13 +177,16 @@ class Connection(asyncio.BufferedProtocol):
 
     def _respond(self, rid: int, name: str, op: int, result: Any, t0: float = 0.0) -> None:
         """Write the reply now, or when the tier call it waits on completes."""
-        if type(result) is not dict and inspect.isawaitable(result):  # in memory: a plain dict, no ABC check
+        kind = type(result)
+        if kind is not dict and kind is not GetResult and inspect.isawaitable(result):  # no ABC check in memory
             task = asyncio.ensure_future(self._respond_later(rid, name, op, result, t0))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
             return
         if isinstance(result, GetResult):
-            self._write(reply(op, rid, result.payload, **result.fields), result.refs)
+            fields = result.fields
+            payload_len = sum(n for n in fields["sizes"] if n > 0)  # known: no view per buffer to measure it
+            self._write(reply(op, rid, result.payload, payload_len, **fields), result.refs)
         else:
             self._write(reply(op, rid, **result))
         self.service.counters.count(name)

@@ -75,7 +75,7 @@ def _row(system: str, op: str, gbps: float, size: int = 1 << 20, batch: int = 32
 
 
 def test_ratios_and_targets() -> None:
-    rows = [_row("raw", "up", 4.0), _row("raw", "down", 4.0), _row("kvstore", "put", 3.6),
+    rows = [_row("raw", "up", 4.0), _row("raw", "down", 3.0), _row("kvstore", "put", 3.6),
             _row("kvstore", "get_into", 2.0), _row("redis", "set", 3.0), _row("redis", "get", 1.0),
             _row("redis", "mget", 1.6)]
     add_ratios(rows)

@@ -34,9 +34,10 @@ from .sweep import index_overhead, run_capacity, run_concurrency, run_small_bloc
 from .targets import KVStoreTarget, RawTarget, RedisTarget, Target, lmcache_status
 
 PRESETS = {
-    # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks)
-    "quick": (3, 16, 50, 0.4, 64, 10_000),
-    "full": (7, 96, 300, 1.5, 512, 100_000),
+    # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks,
+    #        seconds per measurement at least)
+    "quick": (3, 16, 50, 0.4, 64, 10_000, 0.03),
+    "full": (7, 96, 300, 1.5, 512, 100_000, 0.15),
 }
 
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="interleaved trials per cell (median reported)")
     p.add_argument("--target-mib", type=float, help="payload per measurement")
     p.add_argument("--min-rounds", type=int, default=3, help="requests per measurement at least")
+    p.add_argument("--min-seconds", type=float, help="seconds per measurement at least (estimated from the warm-up)")
     p.add_argument("--systems", default="raw,kvstore,redis,lmcache", help="which systems to run")
     p.add_argument("--capacity", default=None, help="kvstore-server capacity for the matrix (default 1GiB, quick 512MiB)")
     p.add_argument("--pool-size", type=int, default=4, help="kvstore client connections")
@@ -80,6 +82,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     conc_seconds = args.conc_seconds or preset[3]
     fill_mib = args.fill_mib or preset[4]
     small_blocks = args.small_blocks if args.small_blocks is not None else preset[5]
+    min_seconds = args.min_seconds if args.min_seconds is not None else preset[6]
     sizes, batches = parse_sizes(args.sizes), parse_ints(args.batches)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -88,6 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "bench": "kvstore-bench",
         "config": {"sizes": sizes, "batches": batches, "trials": trials, "target_bytes": target_bytes,
+                   "min_seconds": min_seconds,
                    "systems": systems, "capacity": capacity, "pool_size": args.pool_size, "quick": args.quick,
                    "argv": sys.argv[1:]},
         "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
@@ -123,7 +127,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _say(f"# matrix: sizes {[fmt_size(s) for s in sizes]} batches {batches}, {trials} trials, "
                  f"{target_bytes / MiB:.0f} MiB per measurement")
             m0 = LoadMeter([t.pid for t in targets])
-            res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, args.min_rounds, _say)
+            res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, args.min_rounds, _say,
+                                             min_seconds)
             res["matrix_load"] = m0.report()
             add_ratios(res["matrix"])
             rss: dict[str, Any] = {}
@@ -140,6 +145,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "lookup" not in skip and kv is not None:
             _say(f"# prefix lookup: chains {args.chains}, {lookup_reps} lookups x {trials} trials")
             res["lookup"] = await run_lookups(kv, redis, parse_ints(args.chains), lookup_reps, trials, _say)
+        meter.sample()
         for t in targets:  # the rest measures kvstore alone
             if t is not kv:
                 await t.stop()
@@ -155,13 +161,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        conc_seconds, conc_trials, _say)
             res["concurrency_load"] = c0.report()
         if kv is not None:
+            meter.sample()
             await kv.stop()
             targets = []
         if "capacity" not in skip and "kvstore" in systems:
-            res["capacity"] = await run_capacity(fill_mib * MiB, 256 * 1024, 32, 3.0, _say)
+            res["capacity"] = await run_capacity(fill_mib * MiB, 256 * 1024, 32, 3.0, _say, meter)
         if "memory" not in skip and "kvstore" in systems:
             if small_blocks:
-                res["small_blocks"] = await run_small_blocks(small_blocks, 4096, _say)
+                res["small_blocks"] = await run_small_blocks(small_blocks, 4096, _say, meter)
             res["index_overhead"] = index_overhead(min(small_blocks or 10_000, 100_000))
     finally:
         for t in targets:
@@ -190,7 +197,9 @@ def print_report(res: dict[str, Any]) -> None:
     for n in res["notes"]:
         _say(f"note: {n}")
     if res.get("matrix"):
-        _say("\nthroughput (medians; p50/p99 per request of `batch` blocks; cpu = cores used while measured)")
+        _say("\nthroughput (medians; p50/p99 per request of `batch` blocks; cpu = cores used while measured;\n"
+             "vs raw: / the faster direction of the raw socket pair; vs redis: put / SET, get(_into) / the faster\n"
+             "of pipelined GET and MGET, (s)/(g)/(m) says which)")
         _say(matrix_table(res["matrix"]))
     if res.get("lookup"):
         _say("\nprefix lookup of a fully present chain")

@@ -151,10 +151,23 @@ class LoadMeter:
 
     def __init__(self, pids: Sequence[int | None] = ()) -> None:
         self.pids = [p for p in pids if p]
+        self._last: dict[int, float] = {}  # CPU last seen per watched process (it may have exited since)
         self.reset()
 
     def _own(self) -> float:
-        return self_cpu_s() + sum(proc_cpu_s(p) or 0.0 for p in self.pids)
+        return self_cpu_s() + sum(self._cpu(p) for p in self.pids)
+
+    def _cpu(self, pid: int) -> float:
+        cpu = proc_cpu_s(pid)
+        if cpu is None:
+            return self._last.get(pid, 0.0)
+        self._last[pid] = cpu
+        return cpu
+
+    def sample(self) -> None:
+        """Remember the watched processes' CPU now: call before stopping one."""
+        for p in self.pids:
+            self._cpu(p)
 
     def reset(self) -> None:
         self.t0 = time.monotonic()
@@ -165,7 +178,7 @@ class LoadMeter:
     def watch(self, pid: int | None) -> None:
         """Count a process started after the meter (its CPU so far is charged to 'own' from now)."""
         if pid and pid not in self.pids:
-            self.own0 += proc_cpu_s(pid) or 0.0
+            self.own0 += self._cpu(pid)
             self.pids.append(pid)
 
     def report(self) -> dict[str, float | int | None]:

@@ -55,6 +55,14 @@ def rounds_for(size: int, batch: int, target_bytes: int, min_rounds: int) -> int
     return max(min_rounds, target_bytes // (size * batch))
 
 
+def rounds_for_time(rounds: int, warm_s: float, warm_rounds: int, min_seconds: float) -> int:
+    """At least ``min_seconds`` of requests (estimated from the warm-up): a measurement of a few
+    tens of ms is dominated by the ramp-up after another system ran (measured: the raw socket
+    pair's 8 MiB ``down`` at 40 ms per measurement read 1.5 GB/s interleaved, 2.4 GB/s alone)."""
+    per_round = warm_s / max(1, warm_rounds)
+    return max(rounds, int(min_seconds / per_round) + 1) if per_round > 0 else rounds
+
+
 async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
     c0, s0 = self_cpu_s(), proc_cpu_s(target.pid)
     f0, g0 = proc_minflt(os.getpid()), proc_minflt(target.pid)
@@ -75,7 +83,7 @@ async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
 
 
 async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int], trials: int,
-                     target_bytes: int, min_rounds: int, log: Log) -> list[dict[str, Any]]:
+                     target_bytes: int, min_rounds: int, log: Log, min_seconds: float = 0.0) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for size in sizes:
         for batch in batches:
@@ -84,12 +92,13 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
             for t in targets:
                 ops = await t.prepare(size, batch, rounds)
                 for name, op in ops.items():
-                    await timed_rounds(op, min(2, rounds))  # warm-up: connections, buffers, caches
-                    plan.append((t, name, op, Series(t.name, name, size, batch, rounds)))
+                    warm, _ = await timed_rounds(op, 3)  # warm-up: connections, buffers, caches
+                    n = rounds_for_time(rounds, warm, 3, min_seconds)
+                    plan.append((t, name, op, Series(t.name, name, size, batch, n)))
             for trial in range(trials):
                 k = trial % len(plan)
                 for t, _, op, series in plan[k:] + plan[:k]:
-                    await measure(t, op, rounds, series)
+                    await measure(t, op, series.rounds, series)
             for *_, series in plan:
                 s = series.summary()
                 out.append(s)

@@ -26,7 +26,7 @@ import time
 import tracemalloc
 from typing import Any, Callable
 
-from .common import KiB, MiB, fmt_size, make_blocks, make_keys, median, pct, proc_cpu_s, proc_rss, self_cpu_s
+from .common import KiB, LoadMeter, MiB, fmt_size, make_blocks, make_keys, median, pct, proc_cpu_s, proc_rss, self_cpu_s
 from .targets import KVStoreTarget
 
 Log = Callable[[str], None]
@@ -126,12 +126,15 @@ async def run_concurrency(kv: KVStoreTarget, clients: list[int], workloads: list
     return out
 
 
-async def run_capacity(capacity: int, block: int, batch: int, fill_factor: float, log: Log) -> dict[str, Any]:
+async def run_capacity(capacity: int, block: int, batch: int, fill_factor: float, log: Log,
+                       meter: LoadMeter | None = None) -> dict[str, Any]:
     """Fill a fresh server to ``fill_factor`` x its capacity (eviction running); sample its RSS."""
     block = max(4 * KiB, min(block, capacity // 64))
     batch = max(1, min(batch, capacity // (4 * block)))  # a batch must fit well within the store
     kv = KVStoreTarget(str(capacity))
     await kv.start()
+    if meter is not None:
+        meter.watch(kv.pid)
     try:
         rss_start = proc_rss(kv.pid) or 0
         blocks = make_blocks(block, batch)
@@ -150,6 +153,8 @@ async def run_capacity(capacity: int, block: int, batch: int, fill_factor: float
         store = st["store"]
         rss_end = proc_rss(kv.pid) or 0
     finally:
+        if meter is not None:
+            meter.sample()
         await kv.stop()
     limit = capacity * 1.1 + 64 * MiB
     r = {"capacity": capacity, "block": block, "batch": batch, "written_bytes": rounds * block * batch,
@@ -165,12 +170,15 @@ async def run_capacity(capacity: int, block: int, batch: int, fill_factor: float
     return r
 
 
-async def run_small_blocks(n: int, block: int, log: Log) -> dict[str, Any]:
+async def run_small_blocks(n: int, block: int, log: Log,
+                           meter: LoadMeter | None = None) -> dict[str, Any]:
     """RSS growth per stored block in a server with ``block``-sized pages."""
     page = max(4 * KiB, block)
     capacity = int(n * page * 1.05) + 16 * MiB
     kv = KVStoreTarget(str(capacity), server_args=("--page-size", str(page)))
     await kv.start()
+    if meter is not None:
+        meter.watch(kv.pid)
     try:
         await kv.client.ping()
         rss0 = proc_rss(kv.pid) or 0
@@ -184,6 +192,8 @@ async def run_small_blocks(n: int, block: int, log: Log) -> dict[str, Any]:
         rss1 = proc_rss(kv.pid) or 0
         store = (await kv.stats())["store"]
     finally:
+        if meter is not None:
+            meter.sample()
         await kv.stop()
     per_block = (rss1 - rss0) / max(1, store["blocks"])
     r = {"blocks": n, "block": block, "page_size": page, "capacity": capacity, "rss_empty": rss0, "rss_full": rss1,
