@@ -517,7 +517,7 @@ def _int_field(resp: Response, name: str) -> int:
 
 def _checked_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
-    # Fast path, loops in C: all bytes of valid lengths (a 1024-key chain: ~30 us instead of ~300).
+    # Fast path, loops in C: all bytes of valid lengths (1024 keys: ~85 us instead of ~160 for the loop below).
     if out and set(map(type, out)) == {bytes} and MIN_KEY_LEN <= min(map(len, out)) and max(map(len, out)) <= MAX_KEY_LEN:
         return out
     out = [bytes(k) if isinstance(k, (bytearray, memoryview)) else k for k in out]

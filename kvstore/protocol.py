@@ -94,9 +94,6 @@ def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
         raise TooLarge(f"batch of {len(keys)} keys is over the limit of {limits.max_batch}")
     if not keys and not allow_empty:
         raise InvalidRequest("empty batch")
-    # Fast path, loops in C: all bytes of valid lengths (1024 keys: ~25 us instead of ~250).
-    if keys and set(map(type, keys)) == {bytes} and MIN_KEY_LEN <= min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LEN:
-        return
     for k in keys:
         check_key(k)
 
