@@ -185,7 +185,9 @@ class Connection(asyncio.BufferedProtocol):
             return
         if isinstance(result, GetResult):
             fields = result.fields
-            payload_len = sum(n for n in fields["sizes"] if n > 0)  # known: no view per buffer to measure it
+            # A plain GET sends every block it sizes: the length is known without measuring each view.
+            # (A subclass such as SHM_GET's sizes blocks it does not send.)
+            payload_len = sum(n for n in fields["sizes"] if n > 0) if kind is GetResult else None
             self._write(reply(op, rid, result.payload, payload_len, **fields), result.refs)
         else:
             self._write(reply(op, rid, **result))
