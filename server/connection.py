@@ -42,6 +42,12 @@ class Connection(asyncio.BufferedProtocol):
         self.service = service
         self.reader = FrameReader(limits, is_server=True)
         self.session = service.new_session()
+        svc = service
+        self.handlers: dict[type, Callable[[Any, Any], Any]] = {  # op -> service method (PUT and attach aside)
+            Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Get: svc.get, Exists: svc.exists,
+            Delete: svc.delete, Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
+            ShmGet: svc.shm.get, ShmPut: svc.shm.put, ShmCommit: svc.shm.commit, ShmRelease: svc.shm.release,
+        }
         self.on_close = on_close
         self.transport: asyncio.Transport | None = None
         self.put_sink: PutSink | None = None
@@ -167,13 +173,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.close()  # a refused HELLO: nothing else may happen on this connection
 
     def _dispatch(self, rid: int, name: str, msg: Any, t0: float = 0.0) -> None:
-        svc, s = self.service, self.session
-        handler = {
-            Hello: svc.hello, Ping: svc.ping, Lookup: svc.lookup, Get: svc.get, Exists: svc.exists,
-            Delete: svc.delete, Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
-            ShmGet: svc.shm.get, ShmPut: svc.shm.put, ShmCommit: svc.shm.commit, ShmRelease: svc.shm.release,
-        }[type(msg)]
-        self._respond(rid, name, msg.OP, handler(s, msg), t0)
+        self._respond(rid, name, msg.OP, self.handlers[type(msg)](self.session, msg), t0)
 
     def _respond(self, rid: int, name: str, op: int, result: Any, t0: float = 0.0) -> None:
         """Write the reply now, or when the tier call it waits on completes."""

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-mib", type=float, help="payload per measurement")
     p.add_argument("--min-rounds", type=int, default=3, help="requests per measurement at least")
     p.add_argument("--min-seconds", type=float, help="seconds per measurement at least (estimated from the warm-up)")
-    p.add_argument("--systems", default="raw,kvstore,redis,lmcache", help="which systems to run")
+    p.add_argument("--systems", default="raw,kvstore,kvstore-unix,kvstore-shm,redis,lmcache",
+                   help="which systems to run")
     p.add_argument("--capacity", default=None, help="kvstore-server capacity for the matrix (default 1GiB, quick 512MiB)")
     p.add_argument("--pool-size", type=int, default=4, help="kvstore client connections")
     p.add_argument("--chains", default="1,64,1024", help="prefix-lookup chain lengths")
@@ -108,6 +109,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "kvstore" in systems:
             kv = KVStoreTarget(capacity, pool_size=args.pool_size)
             targets.append(kv)
+        for transport in ("unix", "shm"):  # same-host transports, beside TCP in the same cells
+            if KVStoreTarget.NAMES[transport] in systems:
+                targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, transport=transport))
         if "redis" in systems:
             if RedisTarget.available(args.redis_server):
                 redis = RedisTarget(args.redis_server)

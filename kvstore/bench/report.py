@@ -22,7 +22,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Annotate kvstore rows with ``vs_raw`` and ``vs_redis`` (best of the Redis ops it is compared with)."""
     ix = index(rows)
     for r in rows:
-        if r["system"] != "kvstore" or r["op"] not in RAW_OF:
+        if not r["system"].startswith("kvstore") or r["op"] not in RAW_OF:
             continue
         raws = [ix[k] for k in (("raw", o, r["size"], r["batch"]) for o in RAW_OF[r["op"]]) if k in ix]
         raw = max(raws, key=lambda x: x["gbps"]) if raws else None
@@ -31,6 +31,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         best = max(reds, key=lambda x: x["gbps"]) if reds else None
         r["vs_redis"] = round(r["gbps"] / best["gbps"], 2) if best and best["gbps"] else None
         r["vs_redis_op"] = best["op"] if best else None
+    for r in rows:  # the same-host transports against TCP, cell by cell
+        if r["system"] in ("kvstore-unix", "kvstore-shm"):
+            tcp = ix.get(("kvstore", r["op"], r["size"], r["batch"]))
+            r["vs_tcp"] = round(r["gbps"] / tcp["gbps"], 2) if tcp and tcp["gbps"] else None
 
 
 def _ratio(x: Any) -> str:
@@ -42,8 +46,8 @@ def _us(x: float) -> str:
 
 
 def matrix_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'size':>6s} {'batch':>5s}  {'system':8s} {'op':9s} {'GB/s':>7s} {'blocks/s':>9s} {'p50':>8s} "
-            f"{'p99':>8s} {'vs raw':>7s} {'vs redis':>9s} {'srv cpu':>7s} {'cli cpu':>7s}")
+    head = (f"{'size':>6s} {'batch':>5s}  {'system':12s} {'op':9s} {'GB/s':>7s} {'blocks/s':>9s} {'p50':>8s} "
+            f"{'p99':>8s} {'vs raw':>7s} {'vs redis':>9s} {'vs tcp':>7s} {'srv cpu':>7s} {'cli cpu':>7s}")
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -56,9 +60,10 @@ def matrix_table(rows: list[dict[str, Any]]) -> str:
         if r.get("vs_redis_op"):
             vs_redis += f"({r['vs_redis_op'][0]})"
         lines.append(
-            f"{fmt_size(r['size']) if first else '':>6s} {str(r['batch']) if first else '':>5s}  {r['system']:8s} "
+            f"{fmt_size(r['size']) if first else '':>6s} {str(r['batch']) if first else '':>5s}  {r['system']:12s} "
             f"{r['op']:9s} {r['gbps']:7.3f} {r['blocks_per_s']:9d} {_us(r['p50_us']):>8s} {_us(r['p99_us']):>8s} "
             f"{_ratio(r.get('vs_raw')) if 'vs_raw' in r else '':>7s} {vs_redis if 'vs_redis' in r else '':>9s} "
+            f"{_ratio(r.get('vs_tcp')) if 'vs_tcp' in r else '':>7s} "
             f"{r['server_cpu'] if r['server_cpu'] is not None else '-':>7} {r['client_cpu']:>7}")
     return "\n".join(lines)
 
@@ -180,7 +185,8 @@ def draw_chart(res: dict[str, Any], path: str) -> str | None:
     rows = res["matrix"]
     batches = sorted({r["batch"] for r in rows})
     series = sorted({(r["system"], r["op"]) for r in rows})
-    style = {"raw": ("tab:gray", "--"), "kvstore": ("tab:blue", "-"), "redis": ("tab:red", ":")}
+    style = {"raw": ("tab:gray", "--"), "kvstore": ("tab:blue", "-"), "redis": ("tab:red", ":"),
+             "kvstore-unix": ("tab:purple", "-"), "kvstore-shm": ("tab:green", "-")}
     markers = ["o", "s", "^", "D", "v"]
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.6), squeeze=False)
     for ax, batch in zip(axes[0], batches):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -87,13 +88,20 @@ class RawTarget(Target):
 
 
 class KVStoreTarget(Target):
-    """kvstore-server with the asyncio client (pool of ``pool_size`` connections)."""
+    """kvstore-server with the asyncio client (pool of ``pool_size`` connections).
 
-    name = "kvstore"
+    ``transport``: ``"tcp"`` (loopback), ``"unix"`` (the ``--unix`` socket, payloads on the
+    socket) or ``"shm"`` (the same socket for control, payloads through the shared arena).
+    """
 
-    def __init__(self, capacity: str, pool_size: int = 4, server_args: tuple[str, ...] = ()) -> None:
+    NAMES = {"tcp": "kvstore", "unix": "kvstore-unix", "shm": "kvstore-shm"}
+
+    def __init__(self, capacity: str, pool_size: int = 4, server_args: tuple[str, ...] = (),
+                 transport: str = "tcp") -> None:
         self.capacity = capacity
         self.pool_size = pool_size
+        self.transport = transport
+        self.name = self.NAMES[transport]
         self.server_args = server_args
         self._seq = 0
 
@@ -101,13 +109,22 @@ class KVStoreTarget(Target):
         from kvstore.client import AsyncKVClient
         from kvstore.server.process import ServerProcess
 
+        args = list(self.server_args)
+        path = ""
+        if self.transport != "tcp":
+            self.dir = tempfile.TemporaryDirectory(prefix="kvstore-bench-unix-")
+            path = os.path.join(self.dir.name, "kv.sock")
+            args += ["--unix", path]
         self.server = ServerProcess("--capacity", self.capacity, "--idle-timeout", "0", "--frame-timeout", "0",
-                                    *self.server_args)
+                                    *args)
         await asyncio.get_running_loop().run_in_executor(None, self.server.start)
         assert self.server.proc is not None
         self.pid = self.server.proc.pid
-        self.client = AsyncKVClient(self.server.addr, namespace="bench", pool_size=self.pool_size, timeout=120)
+        self.client = AsyncKVClient(f"unix:{path}" if path else self.server.addr, namespace="bench", pool_size=self.pool_size, timeout=120,
+                                    shm=self.transport == "shm")
         await self.client.connect()
+        if self.transport == "shm" and not any(n.shm for n in self.client.nodes):
+            raise RuntimeError("kvstore-shm: the server did not offer its shared memory")
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
