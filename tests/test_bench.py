@@ -35,7 +35,7 @@ def test_tiny_run_writes_sane_json(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     res = json.loads(out.read_text())
 
-    systems = {"raw", "kvstore"} | ({"redis"} if HAVE_REDIS else set())
+    systems = {"raw", "kvstore", "kvstore-unix", "kvstore-shm"} | ({"redis"} if HAVE_REDIS else set())
     assert {r["system"] for r in res["matrix"]} == systems
     cells = {(r["size"], r["batch"]) for r in res["matrix"]}
     assert cells == {(4096, 1), (4096, 2), (16384, 1), (16384, 2)}
@@ -44,6 +44,8 @@ def test_tiny_run_writes_sane_json(tmp_path: Path) -> None:
         if r["system"] == "kvstore":
             assert r["vs_raw"] > 0
             assert (r["vs_redis"] is not None) == HAVE_REDIS
+        if r["system"] in ("kvstore-unix", "kvstore-shm"):
+            assert r["vs_tcp"] > 0  # measured in the same cell as TCP
     assert {(r["op"], r["chain"]) for r in res["lookup"] if r["system"] == "kvstore"} == {("lookup", 1), ("lookup", 8)}
     assert {(r["op"], r["batch"], r["clients"]) for r in res["concurrency"]} == {
         (op, b, n) for op, b in (("get_into", 2), ("put", 2), ("get", 1)) for n in (1, 2)}
