@@ -140,7 +140,6 @@ async def test_large_read_is_split_over_connections() -> None:
             assert len(kv.nodes[0].conns) > 1
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
 async def test_request_timeout_discards_the_connection() -> None:
     with ServerProcess("--capacity", "16MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", timeout=0.5) as kv:
