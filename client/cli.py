@@ -339,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), 2)
     except KVStoreError as exc:
         return _fail(_explain(exc))
-    except OSError as exc:  # an unreadable token, CA or value file; a closed stdout
+    except BrokenPipeError:  # `kvstore-cli stats | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+    except OSError as exc:  # an unreadable token, CA or value file
         return _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
     except KeyboardInterrupt:
         return 130
