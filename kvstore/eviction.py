@@ -71,6 +71,18 @@ class _Order(Generic[K]):
         self._next[key] = anchor
         self._prev[anchor] = key
 
+    def is_run_before(self, keys: list[K], anchor: Any) -> bool:
+        """Whether ``keys`` already stand in order just before ``anchor`` (keys[0] nearest),
+        i.e. whether placing them there would change nothing."""
+        prev, at = self._prev, anchor
+        for key in keys:
+            if key == at:
+                continue
+            if prev.get(at, _END) != key:
+                return False
+            at = key
+        return True
+
     def discard(self, key: K) -> bool:
         """Unlink ``key``; False when it was not a member."""
         after = self._next.pop(key, _END)
@@ -187,7 +199,10 @@ class LRUPolicy(_ChainPolicy[K]):
             self._live.insert_before(key, self._anchor(parent))
 
     def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
-        self._place(self._live, keys, self._anchor(parent), self._take)
+        keys, anchor = list(keys), self._anchor(parent)
+        if self._live.is_run_before(keys, anchor):
+            return  # the chain read again, already in place: the common case, no relinking
+        self._place(self._live, keys, anchor, self._take)
 
     def remove(self, key: K) -> None:
         self._take(key)

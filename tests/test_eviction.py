@@ -198,6 +198,20 @@ def test_lru_touch_makes_keys_most_recent() -> None:
     assert drain(lru) == ["c", "d", "b", "a"]
 
 
+def test_lru_rereading_a_chain_in_place_keeps_the_order_a_partly_moved_one_is_placed() -> None:
+    lru = LRUPolicy[str]()
+    put_chain(lru, "abc")
+    lru.add("x")
+    lru.touch(list("abc"))  # a, b, c now newest: x, c, b, a
+    lru.touch(list("abc"))  # read again: already in place, the fast path changes nothing
+    lru.touch(list("ab"))  # a prefix of it: a and b stay just where they were
+    assert drain(lru) == ["x", "c", "b", "a"]
+    put_chain(lru, "abc")
+    lru.add("y")
+    lru.touch(list("ba"))  # not in place: moved to the back, b newest
+    assert drain(lru) == ["c", "y", "a", "b"]
+
+
 # -- ARC ------------------------------------------------------------------------
 
 
