@@ -13,13 +13,13 @@ import ssl
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout,
-    ServerError, TransportError, from_code,
+    BlockSizeError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError,
+    from_code,
 )
 from kvstore.protocol import (
     DEFAULT_LIMITS, EXISTED, MAX_KEY_LEN, MIN_KEY_LEN, STORED, Delete, Exists, Flush, Get, Limits, Lookup, Message,
@@ -359,10 +359,7 @@ class AsyncKVClient:
                     errors[i] = from_code(code, message or "block not stored")
         result = PutResult(statuses.count("stored"), statuses.count("existed"), len(errors), statuses, errors)
         if errors:
-            first = errors[min(errors)]
-            exc = type(first)(f"{len(errors)} of {len(keys)} blocks not stored: {first}")
-            exc.result = result  # type: ignore[attr-defined]
-            raise exc
+            _raise_partial(errors, len(keys), "not stored", result)
         return result
 
     async def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
@@ -442,10 +439,7 @@ class AsyncKVClient:
         if found:
             self._block_bytes = nbytes // found
         if errors:
-            first = errors[min(errors)]
-            exc = type(first)(f"{len(errors)} of {len(keys)} blocks unusable: {first}")
-            exc.result = out  # type: ignore[attr-defined]
-            raise exc
+            _raise_partial(errors, len(keys), "unusable", out)
         return out
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -506,6 +500,14 @@ class AsyncKVClient:
             return _int_field(await node.call(make([keys[i] for i in idx]), idempotent=idempotent), "n")
 
         return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
+
+
+def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: Any) -> NoReturn:
+    """Raise the first key's error type for a batch that partly failed; ``.result`` holds the per-key outcome."""
+    first = errors[min(errors)]
+    exc = type(first)(f"{len(errors)} of {n} blocks {what}: {first}")
+    exc.result = result  # type: ignore[attr-defined]
+    raise exc
 
 
 def _int_field(resp: Response, name: str) -> int:

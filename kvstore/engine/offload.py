@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore.engine.hashing import BlockHasher, KeyChain
 
@@ -75,6 +75,9 @@ class StoreJob:
     keys: tuple[bytes, ...]
     first_block: int  # chain index of keys[0]
     gpu_block_ids: tuple[int, ...]
+
+
+J = TypeVar("J", "LoadJob", "StoreJob")
 
 
 @dataclass(frozen=True)
@@ -263,10 +266,7 @@ class OffloadScheduler:
         Returns:
             GPU blocks of finished requests that no transfer uses any more.
         """
-        job = self._jobs[job_id]
-        if not isinstance(job, LoadJob):
-            raise ValueError(f"job {job_id} is not a load")
-        del self._jobs[job_id]
+        job = self._pop_job(job_id, LoadJob)
         req = self._requests[job.req_id]
         req.loading = None
         if not success:
@@ -279,11 +279,15 @@ class OffloadScheduler:
         Returns:
             GPU blocks of finished requests that no transfer uses any more.
         """
-        job = self._jobs[job_id]
-        if not isinstance(job, StoreJob):
-            raise ValueError(f"job {job_id} is not a store")
-        del self._jobs[job_id]
+        job = self._pop_job(job_id, StoreJob)
         return self._release(job.req_id, job)
+
+    def _pop_job(self, job_id: int, kind: type[J]) -> J:
+        job = self._jobs[job_id]
+        if not isinstance(job, kind):
+            raise ValueError(f"job {job_id} is not a {kind.__name__.removesuffix('Job').lower()}")
+        del self._jobs[job_id]
+        return job
 
     def finish_request(self, req_id: str) -> Finished:
         """The request ended (done, aborted or preempted for good); see :class:`Finished`."""
