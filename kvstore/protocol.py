@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Iterable, Protocol, Sequence
 import msgpack
 
 from .errors import InvalidRequest, ProtocolError, TooLarge
-from .keys import MAX_KEY_LEN, MIN_KEY_LEN, check_key
+from .keys import check_keys
 
 MAGIC = b"KV"
 VERSION = 1
@@ -94,8 +94,7 @@ def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
         raise TooLarge(f"batch of {len(keys)} keys is over the limit of {limits.max_batch}")
     if not keys and not allow_empty:
         raise InvalidRequest("empty batch")
-    for k in keys:
-        check_key(k)
+    check_keys(keys)
 
 
 def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 - 1) -> None:

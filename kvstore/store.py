@@ -42,11 +42,12 @@ import math
 import time
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
 from typing import Any, TypedDict
 
 from .arena import Arena, Extent
 from .errors import CapacityError, InvalidRequest, TooLarge
-from .keys import MAX_KEY_LEN, check_key
+from .keys import check_key, check_keys
 from .eviction import EvictionPolicy, make_policy
 
 BlockKey = tuple[str, bytes]  # the policy's key: (namespace, key bytes)
@@ -55,11 +56,6 @@ BlockKey = tuple[str, bytes]  # the policy's key: (namespace, key bytes)
 def _check_ns(ns: object) -> None:
     if not isinstance(ns, str):
         raise InvalidRequest(f"a namespace must be a str, got {type(ns).__name__}")
-
-
-def _check_keys(keys: Iterable[object]) -> None:
-    for key in keys:
-        check_key(key)
 
 
 class StoreStats(TypedDict):
@@ -126,6 +122,10 @@ class _Block:
         if children is None:
             return ()
         return (children,) if isinstance(children, bytes) else tuple(children)
+
+
+# Field getters for the C loops over a batch's blocks.
+_PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter("stranded")
 
 
 class Reservation:
@@ -207,7 +207,7 @@ class BlockStore:
         self._clock = clock
         self._blocks: dict[str, dict[bytes, _Block]] = {}
         self._ns_bytes: dict[str, int] = {}
-        self._lease_heap: list[tuple[float, int, str, bytes]] = []
+        self._lease_heap: list[tuple[float, int, str, list[bytes]]] = []  # (deadline, seq, ns, keys)
         self._lease_seq = itertools.count()
         # Accounting over indexed blocks (dead blocks kept for readers are not counted).
         self._count = 0
@@ -339,30 +339,40 @@ class BlockStore:
             InvalidRequest: bad namespace, key or ``lease_s``.
         """
         _check_ns(ns)
-        _check_keys(keys)
+        check_keys(keys)
         deadline = self._deadline(lease_s) if pin else 0.0
         ns_blocks = self._blocks.get(ns, {})
-        found: list[_Block] = []
-        for key in keys:
-            block = ns_blocks.get(key)
-            if block is None:
-                break
-            if found and (block.stranded or block.parent is None) and block is not found[-1]:
-                self._relink(ns_blocks, block, found[-1])  # reached through it: linked now
-            found.append(block)
+        found: list[_Block] = list(map(ns_blocks.get, keys))  # type: ignore[arg-type]
+        if not all(found):  # (a block is always true: a fast C test)
+            found = found[:found.index(None)]
+        if found and not self._linked(found, keys):
+            self._link(ns_blocks, found)
         events = self._events
         events["lookups"] += 1
         events["lookup_hit_keys"] += len(found)
         events["lookup_miss_keys"] += len(keys) - len(found)
         if found:
-            hint = self._parent_hint(ns_blocks, found[0])
-            for block in found:
-                block.stranded = False  # a lookup just reached it
-            self._policy.touch([block.pkey for block in found], hint)
+            self._policy.touch(list(map(_PKEY, found)), self._parent_hint(ns_blocks, found[0]))
             if pin:
-                for block in found:
-                    self._add_lease(block, deadline)
+                self._add_leases(ns, list(keys[:len(found)]), found, deadline)
         return len(found)
+
+    @staticmethod
+    def _linked(found: list[_Block], keys: Sequence[bytes]) -> bool:
+        """Whether each found block is already linked to the one before it and none
+        is stranded: a chain read again, the common case, checked in C loops."""
+        before = keys[:len(found) - 1]
+        return (list(map(_PARENT, found[1:])) == (before if isinstance(before, list) else list(before))
+                and not any(map(_STRANDED, found)))
+
+    def _link(self, ns_blocks: dict[bytes, _Block], found: list[_Block]) -> None:
+        """A lookup reached ``found`` in this order: link unparented or stranded
+        blocks to their predecessor, and none of them is stranded any more."""
+        for prev, block in zip(found, found[1:]):
+            if (block.stranded or block.parent is None) and block is not prev:
+                self._relink(ns_blocks, block, prev)
+        for block in found:
+            block.stranded = False
 
     def acquire(self, ns: str, key: bytes) -> BlockRef | None:
         """Pin a block for an in-flight read, touch it and renew its leases.
@@ -417,7 +427,7 @@ class BlockStore:
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (no touch)."""
         _check_ns(ns)
-        _check_keys(keys)
+        check_keys(keys)
         ns_blocks = self._blocks.get(ns, {})
         return [key in ns_blocks for key in keys]
 
@@ -426,7 +436,7 @@ class BlockStore:
     def delete(self, ns: str, keys: Sequence[bytes]) -> int:
         """Remove blocks from the index now; returns how many were stored."""
         _check_ns(ns)
-        _check_keys(keys)
+        check_keys(keys)
         removed = 0
         for key in keys:
             block = self._find(ns, key)
@@ -448,7 +458,7 @@ class BlockStore:
     def unpin(self, ns: str, keys: Sequence[bytes]) -> int:
         """Drop one lease per key (the soonest-expiring); returns how many were dropped."""
         _check_ns(ns)
-        _check_keys(keys)
+        check_keys(keys)
         self.expire_leases()
         dropped = 0
         for key in keys:
@@ -464,12 +474,13 @@ class BlockStore:
         heap = self._lease_heap
         dropped = 0
         while heap and heap[0][0] <= now:
-            _, _, ns, key = heapq.heappop(heap)
-            block = self._find(ns, key)  # may be gone, or a newer block under the key
-            if block is not None and block.leases is not None and block.leases[0] <= now:
-                n = bisect_right(block.leases, now)
-                self._drop_leases(block, n)
-                dropped += n
+            _, _, ns, keys = heapq.heappop(heap)
+            for key in keys:
+                block = self._find(ns, key)  # may be gone, or a newer block under the key
+                if block is not None and block.leases is not None and block.leases[0] <= now:
+                    n = bisect_right(block.leases, now)
+                    self._drop_leases(block, n)
+                    dropped += n
         return dropped
 
     # -- introspection ----------------------------------------------------------
@@ -627,15 +638,22 @@ class BlockStore:
             self._pinned_pages += pages if now else -pages
             self._pinned_blocks += 1 if now else -1
 
-    def _add_lease(self, block: _Block, deadline: float) -> None:
-        was = block.pinned
-        if block.leases is None:
-            block.leases = [deadline]
-        else:
-            insort(block.leases, deadline)
-        self._leases += 1
-        heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), *block.pkey))
-        self._repinned(block, was)
+    def _add_leases(self, ns: str, keys: list[bytes], blocks: list[_Block], deadline: float) -> None:
+        """One lease until ``deadline`` on each block (the blocks of ``keys``; one
+        listed twice gets two); one heap entry covers the whole batch."""
+        for block in blocks:
+            leases = block.leases
+            if leases is None:
+                if block.refs == 0:
+                    self._pinned_pages += self._pages(block.size)
+                    self._pinned_blocks += 1
+                block.leases = [deadline]
+            elif deadline >= leases[-1]:
+                leases.append(deadline)
+            else:
+                insort(leases, deadline)
+        self._leases += len(blocks)
+        heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), ns, keys))
 
     def _renew(self, block: _Block) -> None:
         """Extend the block's leases to at least ``lease_s`` from now (a read started)."""
@@ -643,7 +661,7 @@ class BlockStore:
         deadline = self._clock() + self._lease_s
         if block.leases[0] < deadline:
             block.leases = [max(t, deadline) for t in block.leases]
-            heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), *block.pkey))
+            heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), block.pkey[0], [block.pkey[1]]))
 
     def _drop_leases(self, block: _Block, n: int) -> None:
         """Drop the block's ``n`` soonest-expiring leases."""

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from kvstore.errors import CapacityError, InvalidRequest, TooLarge
-from kvstore.store import MAX_KEY_LEN, BlockRef, BlockStore, check_key
+from kvstore.keys import MAX_KEY_LEN, check_key, check_keys
+from kvstore.store import BlockRef, BlockStore
 
 PS = 1024
 NS = "model/bf16/tp0"
@@ -98,6 +99,15 @@ def test_check_key_contract() -> None:
     for bad in (b"", b"x" * (MAX_KEY_LEN + 1), "text", None, bytearray(b"ab"), 7):
         with pytest.raises(InvalidRequest):
             check_key(bad)
+
+
+def test_check_keys_names_the_bad_key_of_a_batch() -> None:
+    good = [b"a" * n for n in (1, 16, MAX_KEY_LEN)]
+    check_keys(good)
+    check_keys([])
+    for bad in (b"", b"x" * (MAX_KEY_LEN + 1), "text", None, bytearray(b"ab"), 7):
+        with pytest.raises(InvalidRequest, match="block key must be"):
+            check_keys([*good[:2], bad, good[2]])
 
 
 def test_invalid_requests_are_rejected_before_any_effect(policy: str) -> None:
@@ -393,6 +403,17 @@ def test_expire_leases_counts_what_it_drops(policy: str, clock: FakeClock) -> No
     clock.now = 11.0
     assert store.expire_leases() == 2
     assert store.expire_leases() == 0 and store.stats()["pinned_blocks"] == 0
+
+
+def test_a_pinned_lookup_leases_each_listed_key_once_per_listing(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock, lease_s=10.0)
+    put_batch(store, [0, 1, 2])
+    assert store.lookup(NS, [k(0), k(0), k(1), k(9), k(2)], pin=True) == 3  # the prefix stops at 9
+    assert store.stats()["leases"] == 3 and store.stats()["pinned_blocks"] == 2
+    assert len(store.policy) == 3
+    clock.now = 10.0
+    assert store.expire_leases() == 3
+    assert store.stats()["pinned_blocks"] == 0 and store.stats()["leases"] == 0
 
 
 def test_unpin_drops_the_soonest_lease(policy: str, clock: FakeClock) -> None:
