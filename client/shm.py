@@ -6,8 +6,11 @@ server passes over its Unix socket) and moves payload bytes with one
 
 * get: ``SHM_GET`` pins and locates the blocks -> the client copies them out of
   the mapping into the caller's buffers (hashing each chunk while it is still
-  in cache) -> ``SHM_RELEASE``. The copy counts only if the release answers
-  ``held``: the pins lasted the whole copy, so no slot was reused under it.
+  in cache) -> ``SHM_RELEASE``. A copy that matched its stored checksum is the
+  block, so the release is sent without waiting for its answer; otherwise (a
+  block stored without a checksum, ``verify=False``, a mismatch) the copy
+  counts only if the release answers ``held``: the pins lasted the whole copy,
+  so no slot was reused under it.
 * put: ``SHM_PUT`` reserves slots -> the client copies its blocks in (hashing
   the source as it goes) -> ``SHM_COMMIT`` with the checksums publishes them.
 
@@ -359,17 +362,30 @@ class ShmChannel:
                 await self._release(conn, handle)
             raise ProtocolError("malformed SHM_GET reply")
         try:
-            self._copy_out(keys, sizes, sums, locs, buffers, verify, outcome)
-        finally:
-            held = await self._release(conn, handle) if handle else True
-        if not held:
+            all_verified = self._copy_out(keys, sizes, sums, locs, buffers, verify, outcome)
+        except BaseException:
+            if handle:
+                conn.post(ShmRelease(handle=handle))
+            raise
+        if not handle:
+            return outcome
+        if all_verified and not outcome.errors:
+            # Every block copied matched the checksum it was stored with, so what
+            # the caller got *is* each block, whether or not the pins lasted: the
+            # release needs no answer, and the get saves a round trip.
+            conn.post(ShmRelease(handle=handle))
+            return outcome
+        if not await self._release(conn, handle):
             raise RequestTimeout(f"{self.node.addr}: shared-memory read pins expired before the copy finished "
                                  "(--lease-seconds); the copy was discarded")
         return outcome
 
     def _copy_out(self, keys: list[bytes], sizes: list[Any], sums: list[Any], locs: list[Any],
-                  buffers: list[memoryview] | None, verify: bool, outcome: GetOutcome) -> None:
-        """Copy every located block out of the arena (in parallel), checking each copy's checksum."""
+                  buffers: list[memoryview] | None, verify: bool, outcome: GetOutcome) -> bool:
+        """Copy every located block out of the arena (in parallel), checking each copy's checksum.
+
+        Returns whether every block copied was checked (none was stored without a checksum).
+        """
         jobs: list[Callable[[], int]] = []
         targets: list[tuple[int, memoryview | bytearray, int]] = []
         for i, loc in enumerate(locs):
@@ -390,6 +406,7 @@ class ShmChannel:
                 outcome.errors[i] = IntegrityError(f"block with key {keys[i].hex()} failed its checksum")
             else:
                 outcome.out[i] = dst
+        return verify and all(expected for _, _, expected in targets)
 
     def _destination(self, i: int, size: int, buffers: list[memoryview] | None,
                      outcome: GetOutcome) -> memoryview | bytearray | None:

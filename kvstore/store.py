@@ -153,18 +153,27 @@ class Reservation:
 
 
 class BlockRef:
-    """A pinned block being read; ``views`` stay valid until ``release``."""
+    """A pinned block being read; its ``views`` stay valid until ``release``."""
 
-    __slots__ = ("_block", "_open", "checksum", "key", "ns", "size", "views")
+    __slots__ = ("_arena", "_block", "_open", "checksum", "key", "ns", "size")
 
-    def __init__(self, ns: str, key: bytes, block: _Block, views: list[memoryview]) -> None:
+    def __init__(self, ns: str, key: bytes, block: _Block, arena: Arena) -> None:
         self.ns = ns
         self.key = key
         self.size = block.size
         self.checksum = block.checksum
-        self.views = views  # read-only
         self._block = block
+        self._arena = arena
         self._open = True
+
+    @property
+    def views(self) -> list[memoryview]:
+        """Read-only views of the block's bytes, one per page run (made on demand: a
+        shared-memory read needs only the ``extent``); empty once released."""
+        if not self._open:
+            return []
+        block = self._block
+        return [view.toreadonly() for view in self._arena.views(block.extent, block.size)]
 
     @property
     def extent(self) -> Extent:
@@ -380,21 +389,39 @@ class BlockStore:
         Returns:
             A reference (read-only ``views``) to pass to ``release``, or None.
         """
+        return self.acquire_many(ns, [key])[0]
+
+    def acquire_many(self, ns: str, keys: Sequence[bytes]) -> list[BlockRef | None]:
+        """``acquire`` for each key of a batch read (None where missing), the blocks
+        found touched as one chain access in key order, as a lookup touches them.
+
+        Raises:
+            InvalidRequest: bad namespace or key.
+        """
         _check_ns(ns)
-        check_key(key)
+        check_keys(keys)
         ns_blocks = self._blocks.get(ns)
-        block = None if ns_blocks is None else ns_blocks.get(key)
-        if ns_blocks is None or block is None:
-            return None
-        was = block.pinned
-        block.refs += 1
-        if block.leases is not None:
-            self._renew(block)
-        self._repinned(block, was)
-        if not block.stranded:
-            self._policy.touch((block.pkey,), self._parent_hint(ns_blocks, block))
-        views = [view.toreadonly() for view in self._arena.views(block.extent, block.size)]
-        return BlockRef(ns, block.pkey[1], block, views)
+        if ns_blocks is None:
+            return [None] * len(keys)
+        refs: list[BlockRef | None] = []
+        touched: list[_Block] = []
+        for key in keys:
+            block = ns_blocks.get(key)
+            if block is None:
+                refs.append(None)
+                continue
+            was = block.refs > 0 or block.leases is not None
+            block.refs += 1
+            if block.leases is not None:
+                self._renew(block)
+            elif not was:
+                self._repinned(block, False)
+            if not block.stranded:
+                touched.append(block)
+            refs.append(BlockRef(ns, key, block, self._arena))
+        if touched:
+            self._policy.touch(list(map(_PKEY, touched)), self._parent_hint(ns_blocks, touched[0]))
+        return refs
 
     def release(self, ref: BlockRef) -> None:
         """End a read; a deleted block's pages are freed with its last reader.
@@ -405,7 +432,6 @@ class BlockStore:
         if not ref._open:
             raise ValueError(f"{ref!r} was already released")
         ref._open = False
-        ref.views = []
         block = ref._block
         was = block.pinned
         block.refs -= 1

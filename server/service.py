@@ -110,7 +110,7 @@ class PutSink:
         return self._store_in_tier(stored_idx)
 
     async def _store_in_tier(self, idx: list[int]) -> Fields:
-        refs = [(i, self.store.acquire(self.ns, self.msg.keys[i])) for i in idx]
+        refs = list(zip(idx, self.store.acquire_many(self.ns, [self.msg.keys[i] for i in idx])))
         blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in refs if ref is not None]
         try:
             assert self.tier is not None
@@ -238,9 +238,8 @@ class Service:
         """Pins every block it returns; the caller releases them once written."""
         ns = session.namespace
         res = GetResult([], [], [])
-        for key in msg.keys:
-            ref = self.store.acquire(ns, key)
-            res.blocks.append(None if ref is None else list(ref.views))
+        for ref in self.store.acquire_many(ns, msg.keys):
+            res.blocks.append(None if ref is None else ref.views)
             res.checksums.append(0 if ref is None else ref.checksum)
             if ref is not None:
                 res.refs.append(ref)

@@ -42,7 +42,7 @@ import stat
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Union
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import xxhash
 
@@ -209,7 +209,7 @@ class ShmService:
         """Pin and locate the present blocks; a tier's blocks are promoted first (or sent inline)."""
         st = self._session(session)
         ns = session.namespace
-        refs: list[BlockRef | None] = [self.store.acquire(ns, k) for k in msg.keys]
+        refs = self.store.acquire_many(ns, msg.keys)
         if msg.unpin:
             self.store.unpin(ns, msg.keys)
         self.counters["gets"] += 1

@@ -39,7 +39,9 @@ async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_serve
     make_server("--capacity", "256MiB", "--unix", unix_path)
     keys = [key(i, f"rt{size}") for i in range(32)]
     blocks = [data(k, size) for k in keys]
-    async with AsyncKVClient(unix(unix_path), namespace="rt") as kv:
+    # One connection: a verified get posts its release without waiting, and the
+    # stats request after it must reach the server behind it to see it done.
+    async with AsyncKVClient(unix(unix_path), namespace="rt", pool_size=1) as kv:
         assert kv.nodes[0].shm is not None
         before = (await kv.stats())["bytes_in"]
         res = await kv.put(keys, blocks)

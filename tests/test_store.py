@@ -316,6 +316,24 @@ def test_get_batch_touches_the_chain_as_one(policy: str) -> None:
     assert present(store, ["a0", "a1", "a2", "z"]) == expected
 
 
+def test_acquire_many_pins_each_found_block_and_touches_them_as_one_chain(policy: str) -> None:
+    store = make(policy, 5)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["x", "y"])
+    refs = store.acquire_many(NS, [k("a0"), k("nope"), k("a1"), k("a1"), k("a2")])
+    assert [r is None for r in refs] == [False, True, False, False, False]
+    assert [b"".join(r.views) for r in refs if r is not None] == [data("a0"), data("a1"), data("a1"), data("a2")]
+    assert store.stats()["pinned_blocks"] == 3
+    for ref in refs:
+        if ref is not None:
+            store.release(ref)
+    assert store.stats()["pinned_blocks"] == 0 and refs[0] is not None and refs[0].views == []
+    # as a chain read: x, y go first; then the re-read chain from its tail
+    put_batch(store, ["z"])
+    put_batch(store, ["w"])
+    assert present(store, ["x", "y", "a0", "a1", "a2"]) == ["a0", "a1", "a2"]
+
+
 def test_stranded_tails_go_before_reachable_blocks(policy: str) -> None:
     store = make(policy, 6)
     put_batch(store, ["old0", "old1"])

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from .common import GiB, MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
+from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
 from .matrix import run_lookups, run_matrix
 from .report import (add_ratios, check_targets, concurrency_table, draw_chart, lookup_table, matrix_table,
                      memory_lines, rss_summary, targets_table)
