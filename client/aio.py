@@ -118,10 +118,10 @@ class _Recycler:
 class _GetSink:
     """Receives a GET reply's blocks into new (or recycled) buffers, or into the caller's.
 
-    With ``verify``, each block is checksummed as soon as the next one starts
-    arriving: it is still in cache, and the server keeps filling the socket
-    meanwhile. A block that passes gets checksum 0 (nothing left to check); one
-    that fails keeps its checksum, and the caller reports it.
+    With ``verify``, each block is checksummed piece by piece as it lands
+    (``received``), while the piece is still in cache; a block that passes gets
+    checksum 0 (nothing left to check), one that fails keeps its checksum and the
+    caller reports it. ``finish`` settles the last block.
     """
 
     def __init__(self, fields: dict[str, Any], n: int, buffers: Sequence[memoryview] | None,
@@ -137,26 +137,34 @@ class _GetSink:
         self.verify = verify
         self.out: list[memoryview | bytearray | None] = [None] * n
         self.errors: dict[int, KVStoreError] = {}
+        self._hasher: Any = None  # of the block arriving now, when it is checked
+        self._hashing = -1
 
     def target(self, j: int) -> list[memoryview] | None:
-        if self.verify and j:
-            self._verify(self.index[j - 1])  # block j-1 is complete
+        self.finish()  # block j-1 is complete
         i, size = self.index[j], self.sizes[j]
         if self.buffers is None:
             buf = self.recycler.take(size) if self.recycler is not None else bytearray(size)
-            self.out[i] = buf
-            return [memoryview(buf)]
-        dst = self.buffers[i]
-        if len(dst) != size:
-            self.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(dst)}")
-            return None
+            dst: memoryview | bytearray = buf
+        else:
+            dst = self.buffers[i]
+            if len(dst) != size:
+                self.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(dst)}")
+                return None
         self.out[i] = dst
-        return [dst]
+        if self.verify and self.checksums[i]:
+            self._hasher, self._hashing = xxhash.xxh3_64(), i
+        return [memoryview(dst)]
 
-    def _verify(self, i: int) -> None:
-        blob, expected = self.out[i], self.checksums[i]
-        if blob is not None and expected and checksum(memoryview(blob)) == expected:
-            self.checksums[i] = 0
+    def received(self, j: int, piece: memoryview) -> None:
+        if self._hasher is not None:
+            self._hasher.update(piece)
+
+    def finish(self) -> None:
+        if self._hasher is not None:
+            if self._hasher.intdigest() == self.checksums[self._hashing]:
+                self.checksums[self._hashing] = 0
+            self._hasher = None
 
 
 class _Node:
@@ -421,6 +429,7 @@ class AsyncKVClient:
             if resp.sink is None:  # no block present: no payload, no sink
                 return _GetSink(resp.fields, len(idx), bufs)
             assert isinstance(resp.sink, _GetSink)
+            resp.sink.finish()
             return resp.sink
 
         out: list[memoryview | bytearray | None] = [None] * len(keys)

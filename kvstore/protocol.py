@@ -24,7 +24,7 @@ import dataclasses
 import mmap
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence
 
 import msgpack
 
@@ -394,7 +394,9 @@ class PayloadSink(Protocol):
     """Where a frame's payload goes: block ``i`` has ``sizes[i]`` bytes and is
     received into ``target(i)`` (views adding up to exactly that size) or
     dropped when ``target(i)`` is None. ``target`` is called lazily, when the
-    first byte of block ``i`` is about to arrive."""
+    first byte of block ``i`` is about to arrive. A sink may also have
+    ``received(i, view)``, called with each piece of block ``i`` as it lands
+    (while it is still in cache: the client checksums blocks this way)."""
 
     sizes: Sequence[int]
 
@@ -445,6 +447,7 @@ class FrameReader:
         # payload state
         self._rid = 0
         self._sink: PayloadSink | None = None
+        self._on_received: Callable[[int, memoryview], None] | None = None
         self._item = 0  # index of the block being received
         self._left_in_item = 0
         self._targets: list[memoryview] = []  # remaining destination views of the current block
@@ -502,6 +505,7 @@ class FrameReader:
         if sum(sink.sizes) != self._payload_left or self._sink is not None and self._item:
             raise ValueError("a sink must cover exactly the pending payload")
         self._sink = sink
+        self._on_received = getattr(sink, "received", None)
         self._item = 0
         self._left_in_item = sink.sizes[0] if sink.sizes else 0
         self._targets = []
@@ -613,6 +617,8 @@ class FrameReader:
 
     def _advance_target(self, n: int) -> None:
         head = self._targets[0]
+        if self._on_received is not None:
+            self._on_received(self._item, head[:n])
         if n == len(head):
             self._targets.pop(0)
         else:

@@ -82,6 +82,32 @@ def test_put_payload_lands_in_sink_targets_and_dropped_blocks_are_skipped() -> N
         assert bytes(sinks[0].bufs[3]) == b"\0" * 5  # dropped: never written
 
 
+class SeeingSink(ListSink):
+    """A sink with the optional ``received`` hook: records every piece as it lands."""
+
+    def __init__(self, sizes: list[int], drop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__(sizes, drop)
+        self.pieces: list[tuple[int, bytes]] = []
+
+    def received(self, i: int, piece: memoryview) -> None:
+        self.pieces.append((i, bytes(piece)))
+
+
+def test_received_hook_sees_each_kept_block_piece_by_piece_in_order() -> None:
+    blocks = [b"A" * 1000, b"", b"B" * 70000, b"C" * 5]
+    msg = Put(keys=[b"1", b"2", b"3", b"4"], sizes=[len(b) for b in blocks])
+    data = wire(encode(msg, 7, blocks))
+    for chunk in (1, 13, 4096, len(data)):
+        sinks: list[SeeingSink] = []
+        events(FrameReader(), data, chunk, lambda f: sinks.append(SeeingSink(f.msg.sizes, drop={3})) or sinks[-1])
+        (sink,) = sinks
+        assert [i for i, _ in sink.pieces] == sorted(i for i, _ in sink.pieces)  # in block order
+        for i, block in enumerate(blocks):
+            got = b"".join(p for j, p in sink.pieces if j == i)
+            assert got == (b"" if i == 3 else block)  # the dropped block is never seen
+        assert chunk > 1000 or len([p for j, p in sink.pieces if j == 0]) > 1  # small reads: many pieces
+
+
 def test_payload_without_sink_is_discarded_and_stream_stays_in_step() -> None:
     data = wire(encode(Put(keys=[b"k"], sizes=[300000]), 1, [b"z" * 300000])) + wire(encode(Ping(), 2))
     evs = events(FrameReader(), data, 65536)

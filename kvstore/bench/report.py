@@ -46,7 +46,7 @@ def _us(x: float) -> str:
 
 
 def matrix_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'size':>6s} {'batch':>5s}  {'system':12s} {'op':9s} {'GB/s':>7s} {'blocks/s':>9s} {'p50':>8s} "
+    head = (f"{'size':>6s} {'batch':>5s}  {'system':12s} {'op':11s} {'GB/s':>7s} {'blocks/s':>9s} {'p50':>8s} "
             f"{'p99':>8s} {'vs raw':>7s} {'vs redis':>9s} {'vs tcp':>7s} {'srv cpu':>7s} {'cli cpu':>7s}")
     lines = [head, "-" * len(head)]
     last = None
@@ -61,7 +61,7 @@ def matrix_table(rows: list[dict[str, Any]]) -> str:
             vs_redis += f"({r['vs_redis_op'][0]})"
         lines.append(
             f"{fmt_size(r['size']) if first else '':>6s} {str(r['batch']) if first else '':>5s}  {r['system']:12s} "
-            f"{r['op']:9s} {r['gbps']:7.3f} {r['blocks_per_s']:9d} {_us(r['p50_us']):>8s} {_us(r['p99_us']):>8s} "
+            f"{r['op']:11s} {r['gbps']:7.3f} {r['blocks_per_s']:9d} {_us(r['p50_us']):>8s} {_us(r['p99_us']):>8s} "
             f"{_ratio(r.get('vs_raw')) if 'vs_raw' in r else '':>7s} {vs_redis if 'vs_redis' in r else '':>9s} "
             f"{_ratio(r.get('vs_tcp')) if 'vs_tcp' in r else '':>7s} "
             f"{r['server_cpu'] if r['server_cpu'] is not None else '-':>7} {r['client_cpu']:>7}")
@@ -136,6 +136,12 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             if redis_best:
                 v = round(r["gbps"] / redis_best, 2)
                 add(f"{op} {fmt_size(size)} x32 >= 1.5x redis GET/MGET", v, v >= 1.5)
+    for size in (1 * MiB, 4 * MiB):
+        checked, unchecked = ix.get(("kvstore", "get_into", size, 32)), ix.get(("kvstore", "get_into_nv", size, 32))
+        if checked and unchecked and unchecked["gbps"]:
+            cost = round(1 - checked["gbps"] / unchecked["gbps"], 3)
+            add(f"TCP get_into {fmt_size(size)} x32: verification costs <= 15%", f"{cost:.1%}", cost <= 0.15,
+                f"{checked['gbps']:.2f} vs {unchecked['gbps']:.2f} GB/s unverified")
     worst = None
     for r in res.get("matrix", []):
         if r["system"] == "kvstore" and r.get("vs_redis") is not None:

@@ -104,6 +104,7 @@ class KVStoreTarget(Target):
         self.name = self.NAMES[transport]
         self.server_args = server_args
         self._seq = 0
+        self.unverified: Any = None  # the TCP system's second client, verify=False
 
     async def start(self) -> None:
         from kvstore.client import AsyncKVClient
@@ -125,10 +126,18 @@ class KVStoreTarget(Target):
         await self.client.connect()
         if self.transport == "shm" and not any(n.shm for n in self.client.nodes):
             raise RuntimeError("kvstore-shm: the server did not offer its shared memory")
+        # Over TCP, a second client that skips checksum verification: what verifying costs
+        # shows as get_into against get_into_nv, measured in the same interleaved cells.
+        if self.transport == "tcp":
+            self.unverified = AsyncKVClient(self.server.addr, namespace="bench", pool_size=self.pool_size,
+                                            timeout=120, verify=False)
+            await self.unverified.connect()
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.client.close()
+        for client in (self.client, self.unverified):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
         await asyncio.get_running_loop().run_in_executor(None, self.server.stop)
 
     async def stats(self) -> dict[str, Any]:
@@ -160,7 +169,15 @@ class KVStoreTarget(Target):
             if not all(found):
                 raise RuntimeError("kvstore: a benchmark block went missing")
 
-        return {"put": put, "get": get, "get_into": get_into}
+        ops = {"put": put, "get": get, "get_into": get_into}
+        unverified = self.unverified
+        if unverified is not None:
+            async def get_into_nv(i: int) -> None:
+                if not all(await unverified.get_into(keys, dst)):
+                    raise RuntimeError("kvstore: a benchmark block went missing")
+
+            ops["get_into_nv"] = get_into_nv
+        return ops
 
 
 class RedisTarget(Target):
