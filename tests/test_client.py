@@ -1,0 +1,88 @@
+"""AsyncKVClient's data path against a real server: recycled ``get`` buffers, reads split over
+the pool's connections, request timeouts, and requests posted without waiting for their answer."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+
+import pytest
+
+from kvstore.bench.common import make_keys
+from kvstore.client import AsyncKVClient
+from kvstore.errors import RequestTimeout
+from kvstore.protocol import Ping, Unpin
+from kvstore.server.process import ServerProcess
+
+
+
+async def test_get_recycles_only_dropped_buffers() -> None:
+    with ServerProcess("--capacity", "32MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", recycle_bytes=8 << 20) as kv:
+            keys = make_keys("r", 4)
+            blocks = [bytes([i + 1]) * 65536 for i in range(4)]
+            await kv.put(keys, blocks)
+            first = await kv.get(keys)
+            kept = first[0]  # the caller still holds block 0 (and a view of block 1)
+            view = memoryview(first[1])
+            ids = [id(b) for b in first]
+            del first
+            gc.collect()
+            second = await kv.get(keys)
+            assert [bytes(b) for b in second] == blocks
+            reused = {id(b) for b in second} & set(ids)
+            assert reused == set(ids[2:])  # the dropped ones serve again (already touched); held ones never
+            assert bytes(kept) == blocks[0] and bytes(view) == blocks[1]
+            await kv.put(make_keys("r2", 1), [b"\x07" * 65536])
+            assert bytes(kept) == blocks[0]  # a held block never changes under its owner
+
+
+async def test_large_read_is_split_over_connections() -> None:
+    with ServerProcess("--capacity", "64MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=4, split_bytes=256 << 10) as kv:
+            keys = make_keys("s", 24)
+            blocks = [os.urandom(100_000 + i) for i in range(24)]
+            present = [i for i in range(24) if i % 5]
+            await kv.put([keys[i] for i in present], [blocks[i] for i in present])
+            for _ in range(2):  # the second get knows the block size, so it splits too
+                out = await kv.get(keys)
+                assert [None if b is None else bytes(b) for b in out] == [
+                    blocks[i] if i in present else None for i in range(24)]
+            bufs = [bytearray(len(b)) for b in blocks]
+            assert await kv.get_into(keys, bufs) == [i in present for i in range(24)]
+            assert all(bufs[i] == blocks[i] for i in present)
+            assert len(kv.nodes[0].conns) > 1
+
+
+async def test_request_timeout_discards_the_connection() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", timeout=0.5) as kv:
+            keys = make_keys("t", 1)
+            await kv.put(keys, [b"x" * 1000])
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(RequestTimeout):
+                    await kv.get(keys)
+                assert all(c.closed for c in kv.nodes[0].conns)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert bytes((await kv.get(keys))[0]) == b"x" * 1000  # a new connection
+
+
+async def test_a_posted_request_is_answered_and_dropped_even_when_it_fails(caplog: pytest.LogCaptureFixture) -> None:
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            conn = await kv.nodes[0].connection()
+            with caplog.at_level(logging.ERROR):
+                conn.post(Ping())
+                conn.post(Unpin(keys=[b""]))  # an invalid key: the server answers with an error frame
+                assert conn.in_flight == 2
+                assert await kv.ping() >= 0  # answered behind the two posted requests, on the same connection
+                assert conn.in_flight == 0 and not conn.closed
+                gc.collect()
+            assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
+            conn.close()
+            conn.post(Ping())  # a closed connection sends nothing and raises nothing
