@@ -537,9 +537,11 @@ def _pick(items: Sequence[T], idx: list[int]) -> list[T]:
 
 def _checked_keys(keys: Sequence[bytes]) -> list[bytes]:
     out = list(keys)
-    if list(map(type, out)).count(bytes) != len(out):  # bytes-like keys are accepted and sent as bytes
+    try:
+        check_keys(out)
+    except InvalidRequest:  # bytes-like keys are accepted and sent as bytes; anything else fails again
         out = [bytes(k) if isinstance(k, (bytearray, memoryview)) else k for k in out]
-    check_keys(out)
+        check_keys(out)
     return out
 
 

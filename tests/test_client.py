@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.bench.common import make_keys
 from kvstore.client import AsyncKVClient
-from kvstore.errors import RequestTimeout
+from kvstore.errors import InvalidRequest, RequestTimeout
 from kvstore.protocol import Ping, Unpin
 from kvstore.server.process import ServerProcess
 
@@ -86,3 +86,15 @@ async def test_a_posted_request_is_answered_and_dropped_even_when_it_fails(caplo
             assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
             conn.close()
             conn.post(Ping())  # a closed connection sends nothing and raises nothing
+
+
+async def test_bytes_like_keys_are_sent_as_bytes_and_bad_keys_are_refused_before_the_wire() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            keys = make_keys("bl", 3)
+            await kv.put([bytearray(keys[0]), memoryview(keys[1]), keys[2]], [b"a", b"b", b"c"])
+            assert [bytes(b) for b in await kv.get(keys)] == [b"a", b"b", b"c"]
+            for bad in (["text"], [b""], [keys[0], b"x" * 129], [7]):
+                with pytest.raises(InvalidRequest, match="block key must be"):
+                    await kv.lookup(bad)  # type: ignore[arg-type]
+            assert "lookup" not in (await kv.stats())["requests"]  # refused before the wire
