@@ -35,9 +35,12 @@ from .targets import KVStoreTarget, RawTarget, RedisTarget, Target, lmcache_stat
 
 PRESETS = {
     # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks,
-    #        seconds per measurement at least)
-    "quick": (3, 16, 50, 0.4, 64, 10_000, 0.03),
-    "full": (7, 96, 300, 1.5, 512, 100_000, 0.15),
+    #        seconds per measurement at least, warm-up requests per op and cell, requests per measurement
+    #        at least)
+    # Quick warms up with one request and measures at least one: with five systems, three of a
+    # 128 MiB request (4 MiB x 32) per op and trial made the large cells most of the quick run.
+    "quick": (3, 16, 50, 0.25, 64, 10_000, 0.03, 1, 1),
+    "full": (7, 96, 300, 1.5, 512, 100_000, 0.15, 3, 3),
 }
 
 
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,32", help="blocks per request")
     p.add_argument("--trials", type=int, help="interleaved trials per cell (median reported)")
     p.add_argument("--target-mib", type=float, help="payload per measurement")
-    p.add_argument("--min-rounds", type=int, default=3, help="requests per measurement at least")
+    p.add_argument("--min-rounds", type=int, help="requests per measurement at least (quick 1, full 3)")
     p.add_argument("--min-seconds", type=float, help="seconds per measurement at least (estimated from the warm-up)")
     p.add_argument("--systems", default="raw,kvstore,kvstore-unix,kvstore-shm,redis,lmcache",
                    help="which systems to run")
@@ -84,6 +87,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fill_mib = args.fill_mib or preset[4]
     small_blocks = args.small_blocks if args.small_blocks is not None else preset[5]
     min_seconds = args.min_seconds if args.min_seconds is not None else preset[6]
+    min_rounds = args.min_rounds or preset[8]
     sizes, batches = parse_sizes(args.sizes), parse_ints(args.batches)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -92,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "bench": "kvstore-bench",
         "config": {"sizes": sizes, "batches": batches, "trials": trials, "target_bytes": target_bytes,
-                   "min_seconds": min_seconds,
+                   "min_seconds": min_seconds, "min_rounds": min_rounds,
                    "systems": systems, "capacity": capacity, "pool_size": args.pool_size, "quick": args.quick,
                    "argv": sys.argv[1:]},
         "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
@@ -131,8 +135,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _say(f"# matrix: sizes {[fmt_size(s) for s in sizes]} batches {batches}, {trials} trials, "
                  f"{target_bytes / MiB:.0f} MiB per measurement")
             m0 = LoadMeter([t.pid for t in targets])
-            res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, args.min_rounds, _say,
-                                             min_seconds)
+            res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, min_rounds, _say,
+                                             min_seconds, warmup=preset[7])
             res["matrix_load"] = m0.report()
             add_ratios(res["matrix"])
             rss: dict[str, Any] = {}

@@ -83,7 +83,8 @@ async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
 
 
 async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int], trials: int,
-                     target_bytes: int, min_rounds: int, log: Log, min_seconds: float = 0.0) -> list[dict[str, Any]]:
+                     target_bytes: int, min_rounds: int, log: Log, min_seconds: float = 0.0,
+                     warmup: int = 3) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for size in sizes:
         for batch in batches:
@@ -92,8 +93,8 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
             for t in targets:
                 ops = await t.prepare(size, batch, rounds)
                 for name, op in ops.items():
-                    warm, _ = await timed_rounds(op, 3)  # warm-up: connections, buffers, caches
-                    n = rounds_for_time(rounds, warm, 3, min_seconds)
+                    warm, _ = await timed_rounds(op, warmup)  # warm-up: connections, buffers, caches
+                    n = rounds_for_time(rounds, warm, warmup, min_seconds)
                     plan.append((t, name, op, Series(t.name, name, size, batch, n)))
             for trial in range(trials):
                 k = trial % len(plan)
