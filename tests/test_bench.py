@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kvstore.bench.common import make_keys, parse_sizes, pct
+from kvstore.bench.matrix import rounds_for_time
 from kvstore.bench.profile import summarize_collapsed
 from kvstore.bench.report import add_ratios, check_targets, matrix_table
 
@@ -57,6 +58,15 @@ def test_tiny_run_writes_sane_json(tmp_path: Path) -> None:
         assert not chart.exists()
     else:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_requests_per_measurement_follow_the_byte_target_within_the_time_bounds() -> None:
+    # 0.15 s at least, twice that at most beyond the minimum of 3 requests
+    assert rounds_for_time(10, warm_s=0.003, warm_rounds=3, min_seconds=0.15, min_rounds=3) == 151  # too short
+    assert rounds_for_time(200, warm_s=0.003, warm_rounds=3, min_seconds=0.15, min_rounds=3) == 200  # in bounds
+    assert rounds_for_time(1536, warm_s=0.003, warm_rounds=3, min_seconds=0.15, min_rounds=3) == 300  # capped
+    assert rounds_for_time(3, warm_s=3.0, warm_rounds=3, min_seconds=0.15, min_rounds=3) == 3  # 1 s requests
+    assert rounds_for_time(1536, warm_s=0.003, warm_rounds=3, min_seconds=0.0) == 1536  # no time bounds
 
 
 def test_helpers() -> None:

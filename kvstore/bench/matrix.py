@@ -55,12 +55,19 @@ def rounds_for(size: int, batch: int, target_bytes: int, min_rounds: int) -> int
     return max(min_rounds, target_bytes // (size * batch))
 
 
-def rounds_for_time(rounds: int, warm_s: float, warm_rounds: int, min_seconds: float) -> int:
-    """At least ``min_seconds`` of requests (estimated from the warm-up): a measurement of a few
-    tens of ms is dominated by the ramp-up after another system ran (measured: the raw socket
-    pair's 8 MiB ``down`` at 40 ms per measurement read 1.5 GB/s interleaved, 2.4 GB/s alone)."""
+def rounds_for_time(rounds: int, warm_s: float, warm_rounds: int, min_seconds: float, min_rounds: int = 1) -> int:
+    """Requests per measurement, from the byte target ``rounds`` and the warm-up's pace.
+
+    At least ``min_seconds`` of requests: a measurement of a few tens of ms is dominated by
+    the ramp-up after another system ran (measured: the raw socket pair's 8 MiB ``down`` at
+    40 ms per measurement read 1.5 GB/s interleaved, 2.4 GB/s alone). At most twice that,
+    beyond ``min_rounds``: the byte target alone made each 64 KiB x 1 measurement 1536
+    requests, 0.9 s on a busy machine, and that one cell 100 s of a full run.
+    """
     per_round = warm_s / max(1, warm_rounds)
-    return max(rounds, int(min_seconds / per_round) + 1) if per_round > 0 else rounds
+    if per_round <= 0 or min_seconds <= 0:
+        return rounds
+    return max(min_rounds, int(min_seconds / per_round) + 1, min(rounds, int(2 * min_seconds / per_round)))
 
 
 async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
@@ -94,7 +101,7 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
                 ops = await t.prepare(size, batch, rounds)
                 for name, op in ops.items():
                     warm, _ = await timed_rounds(op, warmup)  # warm-up: connections, buffers, caches
-                    n = rounds_for_time(rounds, warm, warmup, min_seconds)
+                    n = rounds_for_time(rounds, warm, warmup, min_seconds, min_rounds)
                     plan.append((t, name, op, Series(t.name, name, size, batch, n)))
             for trial in range(trials):
                 k = trial % len(plan)
