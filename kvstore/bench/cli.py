@@ -24,7 +24,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
 from .matrix import run_lookups, run_matrix
@@ -33,14 +33,26 @@ from .report import (add_ratios, check_targets, concurrency_table, draw_chart, l
 from .sweep import index_overhead, run_capacity, run_concurrency, run_small_blocks
 from .targets import KVStoreTarget, RawTarget, RedisTarget, Target, lmcache_status
 
+
+class Preset(NamedTuple):
+    """How much a run measures; ``--quick`` and the full run differ only here."""
+
+    trials: int  # interleaved trials per cell
+    target_mib: float  # payload per measurement
+    lookup_reps: int
+    conc_seconds: float  # per concurrency point and trial
+    fill_mib: int  # capacity run
+    small_blocks: int  # memory run
+    min_seconds: float  # per measurement at least
+    warmup: int  # requests per op and cell before measuring
+    min_rounds: int  # requests per measurement at least
+
+
 PRESETS = {
-    # name: (trials, MiB per measurement, lookup reps, concurrency seconds, capacity-run MiB, small blocks,
-    #        seconds per measurement at least, warm-up requests per op and cell, requests per measurement
-    #        at least)
     # Quick warms up with one request and measures at least one: with five systems, three of a
     # 128 MiB request (4 MiB x 32) per op and trial made the large cells most of the quick run.
-    "quick": (3, 16, 50, 0.25, 64, 10_000, 0.03, 1, 1),
-    "full": (7, 96, 300, 1.5, 512, 100_000, 0.15, 3, 3),
+    "quick": Preset(3, 16, 50, 0.25, 64, 10_000, 0.03, 1, 1),
+    "full": Preset(7, 96, 300, 1.5, 512, 100_000, 0.15, 3, 3),
 }
 
 
@@ -80,14 +92,14 @@ def _say(msg: str) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = PRESETS["quick" if args.quick else "full"]
-    trials = args.trials or preset[0]
-    target_bytes = int((args.target_mib or preset[1]) * MiB)
-    lookup_reps = args.lookup_reps or preset[2]
-    conc_seconds = args.conc_seconds or preset[3]
-    fill_mib = args.fill_mib or preset[4]
-    small_blocks = args.small_blocks if args.small_blocks is not None else preset[5]
-    min_seconds = args.min_seconds if args.min_seconds is not None else preset[6]
-    min_rounds = args.min_rounds or preset[8]
+    trials = args.trials or preset.trials
+    target_bytes = int((args.target_mib or preset.target_mib) * MiB)
+    lookup_reps = args.lookup_reps or preset.lookup_reps
+    conc_seconds = args.conc_seconds or preset.conc_seconds
+    fill_mib = args.fill_mib or preset.fill_mib
+    small_blocks = args.small_blocks if args.small_blocks is not None else preset.small_blocks
+    min_seconds = args.min_seconds if args.min_seconds is not None else preset.min_seconds
+    min_rounds = args.min_rounds or preset.min_rounds
     sizes, batches = parse_sizes(args.sizes), parse_ints(args.batches)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -136,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                  f"{target_bytes / MiB:.0f} MiB per measurement")
             m0 = LoadMeter([t.pid for t in targets])
             res["matrix"] = await run_matrix(targets, sizes, batches, trials, target_bytes, min_rounds, _say,
-                                             min_seconds, warmup=preset[7])
+                                             min_seconds, warmup=preset.warmup)
             res["matrix_load"] = m0.report()
             add_ratios(res["matrix"])
             rss: dict[str, Any] = {}
