@@ -304,6 +304,13 @@ class AsyncKVClient:
             groups.setdefault(self.ring.node_of(k), []).append(i)
         return [(self.nodes[n], idx) for n, idx in groups.items()]
 
+    def _local_parent(self, node: _Node, key: bytes | None) -> bytes | None:
+        """``key`` as the parent of a server's share of a put, if that server holds it: a
+        parent named but absent marks the block stranded (its predecessor was evicted)."""
+        if key is None or len(self.nodes) == 1 or self.nodes[self.ring.node_of(key)] is node:
+            return key
+        return None
+
     def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, list[int]]]:
         """Like :meth:`_groups`, with a large read split into parts of at least
         ``split_bytes`` that go out in parallel over the server's pooled connections
@@ -332,23 +339,31 @@ class AsyncKVClient:
         return [(idx, r) for (_, idx), r in zip(groups, results)]
 
     # -- the API
-    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> PutResult:
         """Store blocks under content keys. Keys already stored are not stored again (``existed``).
+
+        The keys are one chain, in order. ``parent`` is the key just before ``keys[0]``
+        when the batch continues a stored prefix (an engine storing the blocks it
+        computed after a prefix hit): the server then evicts the batch before that
+        prefix, as it would a chain's tail, instead of treating it as a chain of its own.
 
         Raises:
             CapacityError (or another ServerError) when some block could not be stored;
             the exception's ``result`` attribute holds the per-key outcome.
         """
         keys = _checked_keys(keys)
+        if parent is not None:
+            parent = _checked_keys([parent])[0]
         views = iter_payload(blocks)
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
 
         async def one(node: _Node, idx: list[int]) -> list[tuple[int, str | None]]:
+            before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             if node.shm is not None:  # same host: copied into the arena, checksummed on the way
-                return await node.shm.put(_pick(keys, idx), _pick(views, idx))
+                return await node.shm.put(_pick(keys, idx), _pick(views, idx), before)
             msg = Put(keys=_pick(keys, idx), sizes=[len(views[i]) for i in idx],
-                      checksums=[checksum(views[i]) for i in idx])
+                      checksums=[checksum(views[i]) for i in idx], parent=before)
             resp = await node.call(msg, _pick(views, idx), sum(msg.sizes))
             status, errors = resp.fields.get("status"), resp.fields.get("errors") or {}
             if not isinstance(status, list) or len(status) != len(idx):

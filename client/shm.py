@@ -424,13 +424,14 @@ class ShmChannel:
         return resp.fields.get("held") is True
 
     # -- put
-    async def put(self, keys: list[bytes], views: list[memoryview]) -> list[tuple[int, str | None]]:
+    async def put(self, keys: list[bytes], views: list[memoryview],
+                  parent: bytes | None = None) -> list[tuple[int, str | None]]:
         """Reserve, copy in (checksumming the source on the way), commit: ``(status, message)`` per key."""
-        return await self._with_conn(lambda ch, conn: ch._put(conn, keys, views))
+        return await self._with_conn(lambda ch, conn: ch._put(conn, keys, views, parent))
 
-    async def _put(self, conn: ClientConnection, keys: list[bytes],
-                   views: list[memoryview]) -> list[tuple[int, str | None]]:
-        resp = await self._request(conn, ShmPut(keys=keys, sizes=[len(v) for v in views]))
+    async def _put(self, conn: ClientConnection, keys: list[bytes], views: list[memoryview],
+                   parent: bytes | None) -> list[tuple[int, str | None]]:
+        resp = await self._request(conn, ShmPut(keys=keys, sizes=[len(v) for v in views], parent=parent))
         fields = resp.fields
         handle, locs = fields.get("handle"), fields.get("locs")
         if type(handle) is not int or not isinstance(locs, list) or len(locs) != len(keys):

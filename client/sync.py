@@ -74,8 +74,8 @@ class KVClient:
     def close(self) -> None:
         self._runner.run(self._aio.close())
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
-        return self._runner.run(self._aio.put(keys, blocks))
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> PutResult:
+        return self._runner.run(self._aio.put(keys, blocks, parent=parent))
 
     def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
         return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms))

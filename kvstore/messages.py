@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import InvalidRequest, TooLarge
-from .keys import check_keys
+from .keys import check_key, check_keys
 
 VERSION = 1  # of the protocol: the header's version byte, and what HELLO announces
 
@@ -84,6 +84,11 @@ def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 
             raise InvalidRequest(f"{name} holds {v!r}, not an integer in {lo}..{hi}")
 
 
+def _check_parent(parent: Any) -> None:
+    if parent is not None:
+        check_key(parent)
+
+
 class _KeysRequest(Message):
     """Base for requests that carry only a batch of keys."""
 
@@ -129,15 +134,19 @@ class Put(Message):
 
     ``checksums`` (xxh3-64 of each block, or an empty list) is stored with the
     block and returned on every get, so the reader can verify it end to end.
+    The keys are one chain, in order; ``parent`` is the key just before
+    ``keys[0]`` when the batch continues a stored prefix (else None).
     """
 
     OP: ClassVar[int] = 3
     keys: list[bytes] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     checksums: list[int] = field(default_factory=list)
+    parent: bytes | None = None
 
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
+        _check_parent(self.parent)
         _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
         if self.checksums:
             _check_ints("checksums", self.checksums, len(self.keys))
@@ -245,9 +254,11 @@ class ShmPut(Message):
     OP: ClassVar[int] = 13
     keys: list[bytes] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    parent: bytes | None = None  # as for PUT
 
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
+        _check_parent(self.parent)
         _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
         _no_payload(self, payload_len)
 

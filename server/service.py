@@ -101,7 +101,7 @@ class PutSink:
         keys = self.msg.keys
         for i, res in enumerate(self.reservations):
             if res is not None:
-                stored = self.store.commit(res, parent=keys[i - 1] if i else None)
+                stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]

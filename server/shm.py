@@ -282,7 +282,8 @@ class ShmService:
     def put(self, session: Session, msg: ShmPut) -> Fields:
         """Reserve a slot per new key; the client writes them, then commits."""
         st = self._session(session)
-        sink = PutSink(self.store, session.namespace, Put(keys=msg.keys, sizes=msg.sizes), self.tier)
+        put = Put(keys=msg.keys, sizes=msg.sizes, parent=msg.parent)
+        sink = PutSink(self.store, session.namespace, put, self.tier)
         page_size = self.store.arena.page_size
         locs: list[Loc | None] = []
         for i, size in enumerate(msg.sizes):

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+from typing import Callable
 
 import pytest
 
@@ -15,6 +16,8 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import InvalidRequest, RequestTimeout
 from kvstore.protocol import Ping, Unpin
 from kvstore.server.process import ServerProcess
+
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 
 
@@ -98,3 +101,28 @@ async def test_bytes_like_keys_are_sent_as_bytes_and_bad_keys_are_refused_before
                 with pytest.raises(InvalidRequest, match="block key must be"):
                     await kv.lookup(bad)  # type: ignore[arg-type]
             assert "lookup" not in (await kv.stats())["requests"]  # refused before the wire
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_put_that_continues_a_stored_prefix_is_evicted_before_that_prefix(
+        make_server: Callable[..., ServerProcess], unix_path: str, transport: str) -> None:
+    """Room for 8 one-page blocks: the prefix A (4), its continuation B (4), then 4 blocks of an
+    unrelated chain C must evict 4. Put with ``parent``, B goes first, as a chain's tail does;
+    put without it, B counted as a newer chain of its own and A's blocks went instead."""
+    srv = make_server("--capacity", "512KiB", "--page-size", "64KiB", "--unix", unix_path)
+    addr = f"unix:{unix_path}" if transport == "shm" else srv.addr
+    for ns, with_parent in (("linked", True), ("unlinked", False)):
+        async with AsyncKVClient(addr, namespace=ns, pool_size=1, shm=transport == "shm") as kv:
+            assert (kv.nodes[0].shm is not None) == (transport == "shm")
+            a, b, c = make_keys(f"{ns}a", 4), make_keys(f"{ns}b", 4), make_keys(f"{ns}c", 4)
+            block = [b"\x05" * 65536] * 4
+            await kv.put(a, block)
+            await kv.put(b, block, parent=a[-1] if with_parent else None)
+            await kv.put(c, block)
+            if with_parent:
+                assert await kv.exists(a + b) == [True] * 4 + [False] * 4
+                assert await kv.lookup(a + b) == 4
+            else:
+                assert await kv.exists(a + b) == [False] * 4 + [True] * 4
+                assert await kv.lookup(a + b) == 0  # B is stored but unreachable
+            await kv.flush(ns)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvstore.errors import InvalidRequest, ProtocolError, TooLarge
 from kvstore.protocol import (
     HEADER, MAGIC, NEED_DATA, VERSION, Delete, ErrorReply, Exists, Flush, Frame, FrameReader, Get, Hello, Limits,
-    Lookup, PayloadDone, Ping, Put, Reply, Stats, Unpin, encode, error_reply, foreign_reply, reply,
+    Lookup, PayloadDone, Ping, Put, Reply, ShmPut, Stats, Unpin, encode, error_reply, foreign_reply, reply,
 )
 
 
@@ -224,3 +224,12 @@ def test_header_layout_is_stable() -> None:
     # documented in docs/protocol.md: 20 bytes, network order
     assert HEADER.size == 20
     assert struct.unpack("!2sBBIIQ", wire(encode(Ping(), 9))[:20]) == (b"KV", 1, 2, 9, 1, 0)
+
+
+def test_put_parent_round_trips_and_a_bad_parent_is_refused() -> None:
+    for msg in (Put(keys=[b"k1", b"k2"], sizes=[0, 0], parent=b"p" * 32), ShmPut(keys=[b"k"], sizes=[3], parent=b"p")):
+        (frame,) = events(FrameReader(is_server=True), wire(encode(msg, 9)))
+        assert frame.error is None and frame.msg == msg
+    for bad in ("text", b"", b"x" * 129, 7):
+        (frame,) = events(FrameReader(is_server=True), wire(encode(Put(keys=[b"k"], sizes=[0], parent=bad), 9)))
+        assert isinstance(frame.error, InvalidRequest) and frame.msg is None

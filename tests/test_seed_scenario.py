@@ -39,10 +39,12 @@ class RecordingClient:
     def __init__(self, kv: KVClient) -> None:
         self.kv = kv
         self.put_keys: list[bytes] = []
+        self.put_parents: list[bytes | None] = []
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Any:
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> Any:
         self.put_keys += keys
-        return self.kv.put(keys, blocks)
+        self.put_parents.append(parent)
+        return self.kv.put(keys, blocks, parent=parent)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
         return list(self.kv.get_into(keys, buffers))
@@ -175,7 +177,7 @@ def test_do_remote_decode_stores_all_blocks(kv_server: ServerProcess, async_sche
 
         # 2. reset the GPU prefix cache: the next request must load from the store
         engine.reset_prefix_cache()
-        engine.loads, engine.stores, client.put_keys = [], [], []
+        engine.loads, engine.stores, client.put_keys, client.put_parents = [], [], [], []
 
         # 3. 24 tokens; the lookup against the server finds the first offloaded block
         params = {"do_remote_decode": True} if remote_decode else None
@@ -184,9 +186,11 @@ def test_do_remote_decode_stores_all_blocks(kv_server: ServerProcess, async_sche
         if remote_decode:
             assert engine.stores == [(0, 1, 2, 3, 4, 5)]
             assert client.put_keys == keys  # the loaded block went out again
+            assert client.put_parents == [None]  # from the chain's head
         else:
             assert engine.stores == [(3, 4, 5)]
             assert client.put_keys == keys[1:]
+            assert client.put_parents == [keys[0]]  # continues the loaded prefix
         assert engine.sched.pending_jobs == () and engine.sched.num_requests == 0
 
         # the store now holds the whole chain, byte for byte what the GPU cache holds

@@ -70,3 +70,17 @@ async def test_a_chain_spread_over_three_servers(make_server) -> None:
 async def lookup_counts(kv: AsyncKVClient) -> dict[str, int]:
     stats = (await kv.stats())["servers"]
     return {a: s["requests"].get("lookup", 0) for a, s in stats.items()}
+
+
+def test_a_put_names_a_parent_only_to_the_server_that_holds_it() -> None:
+    """A parent named but absent marks a block stranded, so each server's share of a sharded
+    put gets its first key's predecessor only when that predecessor lives on the same server."""
+    addrs = [f"10.0.0.{i}:7600" for i in range(1, 4)]
+    kv = AsyncKVClient(addrs, namespace="sh")  # nothing is connected: placement only
+    ring = Ring(addrs)
+    for k in chain(60, "parent"):
+        owner = ring.node_of(k)
+        assert [kv._local_parent(node, k) for node in kv.nodes] == [k if n == owner else None for n in range(3)]
+        assert [kv._local_parent(node, None) for node in kv.nodes] == [None] * 3
+    single = AsyncKVClient("10.0.0.1:7600", namespace="sh")
+    assert single._local_parent(single.nodes[0], b"k") == b"k"

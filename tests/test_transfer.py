@@ -146,7 +146,7 @@ class DictStore:
         self.blocks: dict[bytes, bytes] = {}
         self.fail_puts = False
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> None:
         if self.fail_puts:
             raise CapacityError("full")
         for k, b in zip(keys, blocks):

@@ -75,6 +75,7 @@ class StoreJob:
     keys: tuple[bytes, ...]
     first_block: int  # chain index of keys[0]
     gpu_block_ids: tuple[int, ...]
+    parent: bytes | None = None  # the chain's key before keys[0] (put's ``parent``), None at the head
 
 
 J = TypeVar("J", "LoadJob", "StoreJob")
@@ -345,6 +346,7 @@ class OffloadScheduler:
             keys=tuple(req.chain.slice(start, end)),
             first_block=start,
             gpu_block_ids=tuple(req.block_ids[start * self.factor : end * self.factor]),
+            parent=req.chain.slice(start - 1, start)[0] if start else None,
         )
         req.next_store = end
         self._track(req, job)

@@ -257,7 +257,7 @@ def _numel(shape: Iterable[int]) -> int:
 class BlockClient(Protocol):
     """What the executor needs of a client (:class:`kvstore.client.KVClient` has it)."""
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Any: ...
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> Any: ...
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]: ...
 
@@ -318,7 +318,7 @@ class TransferExecutor:
     def store(self, job: StoreJob) -> None:
         """Gather and put one store; raises what the client raises."""
         payloads = self.transfer.gather(job.gpu_block_ids)
-        self.client.put(list(job.keys), [p.numpy().data for p in payloads])
+        self.client.put(list(job.keys), [p.numpy().data for p in payloads], parent=job.parent)
 
     def run(self, jobs: Iterable[LoadJob | StoreJob]) -> Completed:
         """Run jobs in order and report each to the scheduler.
