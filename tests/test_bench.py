@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvstore.bench.common import make_keys, parse_sizes, pct
 from kvstore.bench.matrix import rounds_for_time
+from kvstore.bench.targets import RedisTarget
 from kvstore.bench.profile import summarize_collapsed
 from kvstore.bench.report import add_ratios, check_targets, matrix_table
 
@@ -31,6 +32,8 @@ def test_tiny_run_writes_sane_json(tmp_path: Path) -> None:
 
     systems = {"raw", "kvstore", "kvstore-unix", "kvstore-shm"} | ({"redis"} if HAVE_REDIS else set())
     assert {r["system"] for r in res["matrix"]} == systems
+    # Every store ran full (puts evicting) from the first cell on.
+    assert {name for name, n in res["fill"].items() if n >= 16 * 2**20} == systems - {"raw"}
     cells = {(r["size"], r["batch"]) for r in res["matrix"]}
     assert cells == {(4096, 1), (4096, 2), (16384, 1), (16384, 2)}
     for r in res["matrix"]:
@@ -102,3 +105,24 @@ def test_profile_summary(tmp_path: Path) -> None:
     raw.write_text("main (a.py:1);read (libc.so.6) 30\nmain (a.py:1);parse (protocol.py:10) 10\n")
     text = summarize_collapsed(str(raw))
     assert "40 samples" in text and "75.0%  read (libc.so.6)" in text and "100.0%  main (a.py)" in text
+
+
+async def test_redis_stores_new_keys_and_evicts_as_kvstore_does() -> None:
+    # The put-vs-SET ratio compares like with like: both stores full, every put new keys, evicting;
+    # the keys the gets read are never evicted.
+    capacity = 16 * 2**20
+    redis = RedisTarget(capacity=capacity)
+    await redis.start()
+    try:
+        assert await redis.fill() >= capacity
+        ops = await redis.prepare(64 * 1024, 4, 1)
+        evicted = (await redis.client.info("stats"))["evicted_keys"]
+        assert evicted > 0  # the fill went past maxmemory
+        for i in range(100):  # 25 MiB of new keys
+            await ops["set"](i)
+        assert (await redis.client.info("stats"))["evicted_keys"] > evicted
+        await ops["get"](0)  # raise if a block the gets read were gone
+        await ops["mget"](0)
+        assert 0 < await redis.stored_bytes() <= capacity
+    finally:
+        await redis.stop()

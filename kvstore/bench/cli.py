@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any, NamedTuple
 
+from kvstore.config import parse_size
+
 from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
 from .matrix import run_lookups, run_matrix
 from .report import (add_ratios, check_targets, concurrency_table, draw_chart, lookup_table, matrix_table,
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conc-seconds", type=float, help="concurrency sweep: seconds per point and trial")
     p.add_argument("--fill-mib", type=int, help="capacity run: server capacity in MiB")
     p.add_argument("--small-blocks", type=int, help="memory run: number of 4 KiB blocks")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: matrix,lookup,concurrency,capacity,memory")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: fill,matrix,lookup,concurrency,capacity,memory")
     p.add_argument("--json", default="kvstore-bench.json", help="write the results here ('' = no file)")
     p.add_argument("--chart", default="kvstore-bench.png", help="write the chart here ('' = no chart)")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
@@ -130,7 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, transport=transport))
         if "redis" in systems:
             if RedisTarget.available(args.redis_server):
-                redis = RedisTarget(args.redis_server)
+                redis = RedisTarget(args.redis_server, capacity=parse_size(capacity))
                 targets.append(redis)
             else:
                 notes.append(f"redis: `{args.redis_server}` or redis-py not found: skipped")
@@ -143,6 +145,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res["host"]["redis"] = {"version": redis.version, "hiredis": redis.hiredis}
         for n in notes:
             _say(f"# note: {n}")
+        if "matrix" not in skip and "fill" not in skip:
+            res["fill"] = {}
+            for t in targets:
+                t0 = time.perf_counter()
+                written = await t.fill()
+                if written:
+                    res["fill"][t.name] = written
+                    _say(f"# filled {t.name}: {written / MiB:.0f} MiB in {time.perf_counter() - t0:.1f}s "
+                         f"(a full store: every put evicts)")
         if "matrix" not in skip and targets:
             _say(f"# matrix: sizes {[fmt_size(s) for s in sizes]} batches {batches}, {trials} trials, "
                  f"{target_bytes / MiB:.0f} MiB per measurement")
@@ -158,8 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 rss["kvstore"]["capacity"] = st["capacity"]
             if redis is not None:
                 mem = await redis.memory()
-                stored = sum(s * b for s in sizes for b in batches)  # one batch of keys per cell, overwritten
-                rss["redis"] = rss_summary("redis", mem["used_memory_rss"], stored)
+                rss["redis"] = rss_summary("redis", mem["used_memory_rss"], await redis.stored_bytes())
                 rss["redis"]["used_memory"] = mem["used_memory"]
             res["rss_per_stored_gib"] = rss
         if "lookup" not in skip and kv is not None:

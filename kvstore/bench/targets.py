@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Any, Awaitable, Callable
 
+from kvstore.config import parse_size
+
 from .common import free_port, make_blocks, make_keys
 from .raw import EXIT, HEADER, RawClient
 
@@ -41,6 +43,15 @@ class Target:
     async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
         """Populate what the cell's reads need; return ``{op name: op}``."""
         raise NotImplementedError
+
+    async def fill(self) -> int:
+        """Fill a store to its capacity before the matrix (bytes written; 0: nothing to fill).
+
+        A cache in service is full: every put then makes room by evicting, in
+        memory that has long been faulted in. Filled first, kvstore and Redis
+        are measured in that steady state from the first cell on.
+        """
+        return 0
 
 
 class RawTarget(Target):
@@ -143,6 +154,17 @@ class KVStoreTarget(Target):
     async def stats(self) -> dict[str, Any]:
         return await self.client.stats()
 
+    async def fill(self) -> int:
+        capacity = parse_size(self.capacity)
+        block, batch = _fill_blocks(capacity)
+        written = 0
+        blocks = make_blocks(block, batch)
+        while written < capacity * 1.05:
+            self._seq += 1
+            await self.client.put(make_keys(f"fill:{self._seq}", batch), blocks)
+            written += block * batch
+        return written
+
     async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
         kv = self.client
         keys = make_keys(f"cell:{size}:{batch}", batch)
@@ -181,12 +203,22 @@ class KVStoreTarget(Target):
 
 
 class RedisTarget(Target):
-    """redis-server (no persistence) via redis-py's asyncio client with hiredis, pipelined."""
+    """redis-server (no persistence) via redis-py's asyncio client with hiredis, pipelined.
+
+    Given a ``capacity``, it runs with that ``--maxmemory`` and ``volatile-lru``: its ``set``
+    writes new keys every request, with a TTL that makes them evictable, just as kvstore's
+    ``put`` stores new keys and evicts; the keys the gets read carry no TTL and stay.
+    """
 
     name = "redis"
+    #: TTL of the keys ``set`` writes: long enough never to expire during a run, present so
+    #: that volatile-lru may evict them (and never the keys the gets read).
+    PUT_TTL_S = 24 * 3600
 
-    def __init__(self, executable: str = "redis-server") -> None:
+    def __init__(self, executable: str = "redis-server", capacity: int | None = None) -> None:
         self.executable = executable
+        self.capacity = capacity
+        self._seq = 0
 
     @staticmethod
     def available(executable: str = "redis-server") -> bool:
@@ -199,9 +231,11 @@ class RedisTarget(Target):
         self.dir = tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-")
         for _ in range(20):
             port = free_port()
+            limit = [] if self.capacity is None else ["--maxmemory", str(self.capacity),
+                                                      "--maxmemory-policy", "volatile-lru"]
             self.proc = subprocess.Popen(
                 [self.executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                 "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes"],
+                 "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes", *limit],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.client = aredis.Redis(host="127.0.0.1", port=port)
             for _ in range(100):
@@ -242,19 +276,50 @@ class RedisTarget(Target):
         info = await self.client.info("memory")
         return {"used_memory": int(info["used_memory"]), "used_memory_rss": int(info["used_memory_rss"])}
 
+    async def fill(self) -> int:
+        if self.capacity is None:
+            return 0
+        block, batch = _fill_blocks(self.capacity)
+        vals = [bytes(b) for b in make_blocks(block, batch)]
+        written = 0
+        while written < self.capacity * 1.05:  # used_memory counts redis's overhead too: past maxmemory
+            self._seq += 1
+            p = self.client.pipeline(transaction=False)
+            for k, v in zip(make_keys(f"fill:{self._seq}", batch), vals):
+                p.set(k, v, ex=self.PUT_TTL_S)
+            await p.execute()
+            written += block * batch
+        return written
+
+    async def stored_bytes(self) -> int:
+        """The bytes of every value stored (one pipelined STRLEN per key)."""
+        total = 0
+        async for keys in _chunks(self.client.scan_iter(count=1000), 1000):
+            p = self.client.pipeline(transaction=False)
+            for k in keys:
+                p.strlen(k)
+            total += sum(await p.execute())
+        return total
+
     async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
         r = self.client
         keys = make_keys(f"cell:{size}:{batch}", batch)
         vals = [bytes(b) for b in make_blocks(size, batch)]
         await r.mset(dict(zip(keys, vals)))
 
+        ttl = self.PUT_TTL_S
+
         async def set_(i: int) -> None:
+            # New keys every request, as kvstore's put: overwriting one batch of keys would
+            # reuse the same few warm allocations and never evict (measured up to 1.5x faster).
+            self._seq += 1
+            new = make_keys(f"put:{self._seq}", batch)
             if batch == 1:
-                await r.set(keys[0], vals[0])
+                await r.set(new[0], vals[0], ex=ttl)
                 return
             p = r.pipeline(transaction=False)
-            for k, v in zip(keys, vals):
-                p.set(k, v)
+            for k, v in zip(new, vals):
+                p.set(k, v, ex=ttl)
             await p.execute()
 
         async def get(i: int) -> None:
@@ -274,6 +339,24 @@ class RedisTarget(Target):
                 raise RuntimeError("redis: bad reply")
 
         return {"set": set_, "get": get, "mget": mget}
+
+
+def _fill_blocks(capacity: int) -> tuple[int, int]:
+    """Block size and batch that fill a store of ``capacity`` bytes: 1 MiB x 32 or, in a
+    small store, a batch of at most a sixteenth of it."""
+    return max(4096, min(1 << 20, capacity // 512)), 32
+
+
+async def _chunks(it: Any, n: int) -> Any:
+    """Lists of up to ``n`` items from an async iterator."""
+    chunk: list[Any] = []
+    async for item in it:
+        chunk.append(item)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def lmcache_status() -> tuple[bool, str]:
