@@ -190,6 +190,25 @@ def test_stores_are_deduplicated_against_the_server_and_in_flight(kv: KVClient,
     assert out is not None and out.keys_to_store == chain
 
 
+def test_a_store_names_each_chunks_predecessor(kv: KVClient, kvstore_server: ServerProcess) -> None:
+    m = manager(kvstore_server.addr)
+    chain = keys(5)
+    kv.put([store_key(k, 0) for k in chain[:2]], [b"x"] * 2)
+    out = m.prepare_store(chain, context("a", chain))  # the delta after a stored prefix
+    assert out is not None and isinstance(out.store_spec, KVStoreLoadStoreSpec)
+    assert out.store_spec.keys == chain[2:] and out.store_spec.parents == chain[1:4]
+    m.complete_store(chain[2:], context("a", chain))
+    out = m.prepare_store(chain, context("b", chain, {"do_remote_decode": True}))  # everything
+    assert out is not None and isinstance(out.store_spec, KVStoreLoadStoreSpec)
+    assert out.store_spec.parents == [None, *chain[:4]]
+    out = m.prepare_store(keys(3, b"z"), ReqContext("c"))  # vLLM recorded no positions: not known
+    assert out is not None and isinstance(out.store_spec, KVStoreLoadStoreSpec)
+    assert out.store_spec.parents == [None] * 3
+    with pytest.raises(ValueError, match="parents"):
+        KVStoreLoadStoreSpec(chain, chain[:2])
+    m.shutdown()
+
+
 def test_remote_decode_dedup_touches_instead_of_resending(kv: KVClient, kvstore_server: ServerProcess) -> None:
     client = KVClient(kvstore_server.addr, namespace="parts")
     client.connect()
@@ -240,8 +259,8 @@ def paged_caches(seed: int | None, device: str = "cpu") -> tuple[list[torch.Tens
     return tensors, canonical
 
 
-def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0) -> KVStoreOffloadingWorker:
-    client = KVClient(addr, namespace="parts")
+def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0, namespace: str = "parts") -> KVStoreOffloadingWorker:
+    client = KVClient(addr, namespace=namespace)
     client.connect()
     return KVStoreOffloadingWorker(caches, client, blocks_per_chunk=3, rank=rank)
 
@@ -282,6 +301,54 @@ def test_worker_round_trip_with_a_partial_first_chunk(kv: KVClient, kvstore_serv
         assert torch.equal(d[[0, 1, 15]].cpu(), s[[2, 3, 4]].cpu())
     prefill.shutdown()
     decode.shutdown()
+
+
+def test_a_stored_continuation_is_evicted_before_its_prefix(make_server: Any) -> None:
+    """Room for 4 chunks (one 4 KiB page each): prefix A (2 chunks), its continuation B (2),
+    then 2 chunks of another request C must evict 2. With B's parent named (as prepare_store
+    does), B goes first, as a chain's tail; without it, B counts as a newer chain and A goes."""
+    srv = make_server("--capacity", "16KiB", "--page-size", "4KiB")
+    _, caches = paged_caches(seed=2)
+    a, b, c = keys(2, b"a"), keys(2, b"b"), keys(2, b"c")
+    gpu = GPULoadStoreSpec([0, 1, 2, 3, 4, 5], [6], [0])
+    for ns, parents in (("linked", [a[1], b[0]]), ("unlinked", None)):
+        w = worker(srv.addr, caches, namespace=ns)
+        assert w.submit_store(1, gpu, KVStoreLoadStoreSpec(a, [None, a[0]]))
+        finish(w, 1)
+        assert w.submit_store(2, gpu, KVStoreLoadStoreSpec(b, parents))
+        finish(w, 2)
+        assert w.submit_store(3, gpu, KVStoreLoadStoreSpec(c))
+        finish(w, 3)
+        client = KVClient(srv.addr, namespace=ns)
+        stored = client.exists([store_key(k, 0) for k in a + b + c])
+        if parents:
+            assert stored == [True, True, False, False, True, True]
+            assert client.lookup([store_key(k, 0) for k in a + b]) == 2
+        else:
+            assert stored == [False, False, True, True, True, True]
+        client.flush(ns)
+        client.close()
+        w.shutdown()
+
+
+def test_a_store_with_a_gap_puts_each_stretch_behind_its_own_predecessor(make_server: Any) -> None:
+    # Chunks 0, 1 and 3 of a chain (2 is stored already): 3 is put with 2 as its parent, not 1.
+    srv = make_server("--capacity", "16KiB", "--page-size", "4KiB")
+    _, caches = paged_caches(seed=3)
+    chain = keys(4, b"g")
+    w = worker(srv.addr, caches, namespace="gap")
+    client = KVClient(srv.addr, namespace="gap")
+    client.put([store_key(chain[2], 0)], [b"\x07" * 384])
+    spec = KVStoreLoadStoreSpec([chain[0], chain[1], chain[3]], [None, chain[0], chain[2]])
+    assert w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4, 5, 6, 7, 8], [9], [0]), spec)
+    finish(w, 1)
+    puts = client.stats()["requests"]["put"]
+    assert puts == 3  # the test's own, then one per stretch
+    client.put(keys(1, b"x"), [b"\x08" * 384])  # a full store: one block must go -- the chain's tail, chunk 3
+    assert client.exists([store_key(k, 0) for k in chain]) == [True, True, True, False]
+    assert client.lookup([store_key(k, 0) for k in chain]) == 3
+    client.close()
+    w.shutdown()
 
 
 def test_worker_reports_a_missing_chunk_as_a_failed_load(kvstore_server: ServerProcess) -> None:

@@ -103,6 +103,13 @@ def store_key(key: OffloadKey | bytes, rank: int) -> bytes:
     return bytes(key) + rank.to_bytes(_RANK_BYTES, "big")
 
 
+def _runs(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` stretches of chained chunks: a stretch ends where a chunk's known
+    predecessor is not the chunk before it (a store skips the chunks the server has)."""
+    starts = [0] + [i for i in range(1, len(keys)) if parents[i] is not None and parents[i] != keys[i - 1]]
+    return list(zip(starts, starts[1:] + [len(keys)]))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -242,11 +249,19 @@ def _parse_bool(value: Any) -> bool:
 class KVStoreLoadStoreSpec(LoadStoreSpec):
     """The chunks of one transfer: their ``OffloadKey``\\s, in the GPU blocks' order.
 
-    Travels from the scheduler to every worker; each worker adds its rank.
+    Travels from the scheduler to every worker; each worker adds its rank. A store's
+    ``parents`` name each chunk's predecessor in its request's chain (None: the
+    first chunk, or not known), so the server files a store that continues a stored
+    prefix behind that prefix for eviction rather than as a chain of its own.
     """
 
-    def __init__(self, keys: Sequence[OffloadKey | bytes]) -> None:
+    def __init__(self, keys: Sequence[OffloadKey | bytes],
+                 parents: Sequence[OffloadKey | bytes | None] | None = None) -> None:
         self.keys: list[bytes] = [bytes(k) for k in keys]
+        self.parents: list[bytes | None] = [None] * len(self.keys) if parents is None else [
+            None if p is None else bytes(p) for p in parents]
+        if len(self.parents) != len(self.keys):
+            raise ValueError(f"{len(self.parents)} parents for {len(self.keys)} chunks")
 
     def __repr__(self) -> str:
         return f"KVStoreLoadStoreSpec({len(self.keys)} chunks)"
@@ -339,6 +354,19 @@ class KVStoreOffloadingManager(OffloadingManager):
         )
         return [k for _, k in chain]
 
+    def _parents(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bytes | None]:
+        """Each key's predecessor in its group's chain, from the positions vLLM recorded (None: unknown)."""
+        positions: Mapping[bytes, int] | None = getattr(req_context, "_offload_key_positions", None)
+        if not positions:
+            return [None] * len(keys)
+        at = {(get_offload_group_idx(OffloadKey(k)), p): k for k, p in positions.items()}
+        out: list[bytes | None] = []
+        for key in keys:
+            group = get_offload_group_idx(OffloadKey(key))
+            step, pos = self._chunk_tokens.get(group), positions.get(key)
+            out.append(at.get((group, pos - step)) if step and pos is not None and pos > step else None)
+        return out
+
     # -- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         known = self._known.get(key)
@@ -429,7 +457,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._storing.update(todo)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in todo],
-            store_spec=KVStoreLoadStoreSpec(todo),
+            store_spec=KVStoreLoadStoreSpec(todo, self._parents(todo, req_context)),
             evicted_keys=[],
         )
 
@@ -475,6 +503,7 @@ class _Part:
     keys: list[bytes]  # this rank's store keys, one per chunk
     block_ids: list[int]  # GPU blocks, in chunk order
     skip: int  # GPU blocks of the first chunk outside the transfer
+    parents: list[bytes | None]  # each chunk's predecessor (this rank's store key), if known
 
 
 class _BufferPool:
@@ -537,7 +566,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     # -- the OffloadingWorker API
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KVStoreLoadStoreSpec), type(dst_spec)
-        parts = self._parts(src_spec, dst_spec.keys)
+        parts = self._parts(src_spec, dst_spec.keys, dst_spec.parents)
         self._jobs[job_id] = self._stores.submit(self._store, job_id, parts, self._ready_event())
         return True
 
@@ -575,7 +604,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             pass
 
     # -- planning
-    def _parts(self, gpu: GPULoadStoreSpec, keys: Sequence[bytes]) -> list[_Part]:
+    def _parts(self, gpu: GPULoadStoreSpec, keys: Sequence[bytes],
+               parents: Sequence[bytes | None] | None = None) -> list[_Part]:
         """Split a transfer by KV-cache group, as vLLM's CPU worker does.
 
         Group ``g`` has ``group_sizes[g]`` GPU blocks starting at logical block
@@ -595,7 +625,9 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             skip = first % self._bpc
             n = _cdiv(skip + size, self._bpc)
             parts.append(_Part(transfer, [store_key(key, self._rank) for key in keys[k : k + n]],
-                               ids[b : b + size], skip))
+                               ids[b : b + size], skip,
+                               [None if p is None else store_key(p, self._rank) for p in parents[k : k + n]]
+                               if parents is not None else [None] * n))
             k += n
             b += size
         if k != len(keys) or b != len(ids):
@@ -617,13 +649,14 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             if ready is not None:
                 ready.synchronize()
             for part in parts:
-                keys, ids = self._whole_chunks(part)
+                keys, ids, parents = self._whole_chunks(part)
                 if not keys:
                     continue
                 buffers = self._store_buffers.take(part.transfer, len(keys))
                 try:
                     part.transfer.gather(ids, out=buffers)
-                    self._client.put(keys, [b.numpy().data for b in buffers])
+                    for lo, hi in _runs(keys, parents):  # one put per stretch of consecutive chunks
+                        self._client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]], parent=parents[lo])
                 finally:  # put has returned: the server has the bytes, or will never get them
                     self._store_buffers.give(part.transfer, buffers)
                 nbytes += len(keys) * part.transfer.payload_size
@@ -636,19 +669,19 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                               transfer_time=time.perf_counter() - start)
 
-    def _whole_chunks(self, part: _Part) -> tuple[list[bytes], list[int]]:
-        """The part's fully covered chunks: a payload is always a whole chunk.
+    def _whole_chunks(self, part: _Part) -> tuple[list[bytes], list[int], list[bytes | None]]:
+        """The part's fully covered chunks (keys, GPU blocks, parents): a payload is always a whole chunk.
 
         vLLM stores whole chunks; only windowed groups can leave a chunk partly
         covered (null blocks outside the window), and such a chunk is skipped.
         """
-        keys, ids = part.keys, part.block_ids
+        keys, ids, parents = part.keys, part.block_ids, part.parents
         if part.skip:
-            keys, ids = keys[1:], ids[self._bpc - part.skip :]
+            keys, ids, parents = keys[1:], ids[self._bpc - part.skip :], parents[1:]
         tail = len(ids) % self._bpc
         if tail:
-            keys, ids = keys[:-1], ids[:-tail]
-        return keys, ids
+            keys, ids, parents = keys[:-1], ids[:-tail], parents[:-1]
+        return keys, ids, parents
 
     def _load(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None,
               pool: _BufferPool) -> TransferResult:
