@@ -83,13 +83,15 @@ class StoreStats(TypedDict):
 class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
-    __slots__ = ("checksum", "children", "dead", "extent", "leases", "parent", "pkey", "refs", "size", "stranded")
+    __slots__ = ("checksum", "children", "dead", "extent", "leases", "pages", "parent", "pkey", "refs", "size",
+                 "stranded")
 
-    def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent) -> None:
+    def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent, pages: int) -> None:
         self.pkey = pkey
         self.size = size
         self.checksum = checksum
         self.extent = extent
+        self.pages = pages  # arena pages it holds (the pinned/index page counts move by this)
         self.parent: bytes | None = None  # the parent's key, set only while it was present
         self.children: bytes | set[bytes] | None = None
         self.refs = 0  # in-flight readers
@@ -131,16 +133,24 @@ _PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter
 class Reservation:
     """Pages set aside for one incoming block; fill ``views`` then commit or abort."""
 
-    __slots__ = ("_extent", "_open", "checksum", "key", "ns", "size", "views")
+    __slots__ = ("_arena", "_extent", "_open", "checksum", "key", "ns", "pages", "size")
 
-    def __init__(self, ns: str, key: bytes, size: int, checksum: int, views: list[memoryview], extent: Extent) -> None:
+    def __init__(self, ns: str, key: bytes, size: int, checksum: int, arena: Arena, extent: Extent,
+                 pages: int) -> None:
         self.ns = ns
         self.key = key
         self.size = size
         self.checksum = checksum
-        self.views = views  # writable, exactly ``size`` bytes in total
+        self.pages = pages
+        self._arena = arena
         self._extent = extent
         self._open = True
+
+    @property
+    def views(self) -> list[memoryview]:
+        """Writable views of exactly ``size`` bytes, one per page run; empty once closed.
+        (Made on demand: a shared-memory put needs only the ``extent``.)"""
+        return self._arena.views(self._extent, self.size) if self._open else []
 
     @property
     def extent(self) -> Extent:
@@ -264,7 +274,7 @@ class BlockStore:
         if extent is None:  # _make_room guarantees the pages
             raise RuntimeError("arena accounting out of step with the store")
         self._reserved_pages += pages
-        return Reservation(ns, key, size, checksum, self._arena.views(extent, size), extent)
+        return Reservation(ns, key, size, checksum, self._arena, extent, pages)
 
     def commit(self, res: Reservation, parent: bytes | None = None) -> bool:
         """Publish a filled reservation.
@@ -288,14 +298,14 @@ class BlockStore:
             self._arena.free(res._extent)
             self._events["dedup"] += 1
             return False
-        block = _Block((res.ns, res.key), res.size, res.checksum, res._extent)
+        block = _Block((res.ns, res.key), res.size, res.checksum, res._extent, res.pages)
         if ns_blocks is None:
             ns_blocks = self._blocks[res.ns] = {}
             self._ns_bytes[res.ns] = 0
         ns_blocks[res.key] = block
         self._count += 1
         self._payload += block.size
-        self._index_pages += self._pages(block.size)
+        self._index_pages += block.pages
         self._ns_bytes[res.ns] += block.size
         self._events["stored"] += 1
         parent_block = ns_blocks.get(parent) if parent is not None and parent != res.key else None
@@ -566,8 +576,7 @@ class BlockStore:
         if not res._open:
             raise ValueError(f"{res!r} was already committed or aborted")
         res._open = False
-        res.views = []
-        self._reserved_pages -= self._pages(res.size)
+        self._reserved_pages -= res.pages
 
     def _make_room(self, pages: int) -> None:
         """Evict until ``pages`` are free, or raise CapacityError having evicted nothing."""
@@ -600,7 +609,7 @@ class BlockStore:
         ns, key = block.pkey
         ns_blocks = self._blocks[ns]
         del ns_blocks[key]
-        pages = self._pages(block.size)
+        pages = block.pages
         if block.pinned:  # it leaves the pinned counts with the index
             self._pinned_pages -= pages
             self._pinned_blocks -= 1
@@ -617,7 +626,8 @@ class BlockStore:
             child = ns_blocks.get(child_key)
             if child is not None:
                 child.parent = None  # links only join present blocks
-        self._strand_descendants(ns_blocks, block)
+        if block.children is not None:
+            self._strand_descendants(ns_blocks, block)
         if not ns_blocks:
             del self._blocks[ns], self._ns_bytes[ns]
         if block.refs > 0:
@@ -660,7 +670,7 @@ class BlockStore:
         """Keep the pinned counters in step after a block's refs or leases changed."""
         now = block.refs > 0 or block.leases is not None
         if now != was:
-            pages = self._pages(block.size)
+            pages = block.pages
             self._pinned_pages += pages if now else -pages
             self._pinned_blocks += 1 if now else -1
 
@@ -671,7 +681,7 @@ class BlockStore:
             leases = block.leases
             if leases is None:
                 if block.refs == 0:
-                    self._pinned_pages += self._pages(block.size)
+                    self._pinned_pages += block.pages
                     self._pinned_blocks += 1
                 block.leases = [deadline]
             elif deadline >= leases[-1]:

@@ -83,6 +83,11 @@ class PutSink:
         self.reservations: list[Reservation | None] = [None] * len(msg.keys)
 
     def target(self, i: int) -> list[memoryview] | None:
+        res = self.reserve(i)
+        return None if res is None else res.views
+
+    def reserve(self, i: int) -> Reservation | None:
+        """Reserve block ``i`` (None: dropped; its status says why)."""
         checksum = self.msg.checksums[i] if self.msg.checksums else 0
         try:
             res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
@@ -94,7 +99,7 @@ class PutSink:
             self.status[i] = EXISTED
             return None
         self.reservations[i] = res
-        return res.views
+        return res
 
     def commit(self) -> MaybeAsync:
         """Make the received blocks visible; with a tier, also hand them to it."""

@@ -4,6 +4,7 @@
 
     python -m kvstore.bench.profile --op put --size 1m --batch 32 --seconds 5
     python -m kvstore.bench.profile --op lookup --chain 1024 --client-profile
+    python -m kvstore.bench.profile --op put --transport shm --full   # a full store: every put evicts
 
 The server is attached to by ``py-spy record`` (``--idle`` off, so only
 samples where it runs count; ``--native`` adds C frames) while this process
@@ -95,10 +96,12 @@ async def run(args: argparse.Namespace) -> None:
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
         raise SystemExit("py-spy not found: pip install py-spy")
-    kv = KVStoreTarget(args.capacity)
+    kv = KVStoreTarget(args.capacity, transport=args.transport)
     await kv.start()
     out = args.out or tempfile.mktemp(prefix="kvstore-prof-", suffix=".txt")
     try:
+        if args.full:
+            await kv.fill()  # every put evicts, as in service
         fn = await workload(kv, args)
         for _ in range(5):
             await fn()
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--native", action="store_true", help="include C frames (libc, uvloop)")
     p.add_argument("--capacity", default="1GiB")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "unix", "shm"])
+    p.add_argument("--full", action="store_true", help="fill the store first, so that every put evicts")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default="", help="keep the collapsed stacks here")
     p.add_argument("--client-profile", action="store_true", help="also cProfile the client")
