@@ -155,15 +155,7 @@ class KVStoreTarget(Target):
         return await self.client.stats()
 
     async def fill(self) -> int:
-        capacity = parse_size(self.capacity)
-        block, batch = _fill_blocks(capacity)
-        written = 0
-        blocks = make_blocks(block, batch)
-        while written < capacity * 1.05:
-            self._seq += 1
-            await self.client.put(make_keys(f"fill:{self._seq}", batch), blocks)
-            written += block * batch
-        return written
+        return await _fill(parse_size(self.capacity), self.client.put)
 
     async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
         kv = self.client
@@ -279,17 +271,14 @@ class RedisTarget(Target):
     async def fill(self) -> int:
         if self.capacity is None:
             return 0
-        block, batch = _fill_blocks(self.capacity)
-        vals = [bytes(b) for b in make_blocks(block, batch)]
-        written = 0
-        while written < self.capacity * 1.05:  # used_memory counts redis's overhead too: past maxmemory
-            self._seq += 1
+
+        async def put(keys: list[bytes], blocks: list[bytearray]) -> None:
             p = self.client.pipeline(transaction=False)
-            for k, v in zip(make_keys(f"fill:{self._seq}", batch), vals):
+            for k, v in zip(keys, blocks):
                 p.set(k, v, ex=self.PUT_TTL_S)
             await p.execute()
-            written += block * batch
-        return written
+
+        return await _fill(self.capacity, put)
 
     async def stored_bytes(self) -> int:
         """The bytes of every value stored (one pipelined STRLEN per key)."""
@@ -341,10 +330,16 @@ class RedisTarget(Target):
         return {"set": set_, "get": get, "mget": mget}
 
 
-def _fill_blocks(capacity: int) -> tuple[int, int]:
-    """Block size and batch that fill a store of ``capacity`` bytes: 1 MiB x 32 or, in a
-    small store, a batch of at most a sixteenth of it."""
-    return max(4096, min(1 << 20, capacity // 512)), 32
+async def _fill(capacity: int, put: Callable[[list[bytes], list[bytearray]], Awaitable[Any]]) -> int:
+    """Put new keys until 5 % more than ``capacity`` went in (Redis's ``maxmemory`` counts its
+    overhead too): batches of 32 blocks of 1 MiB, or of a sixteenth of a small store."""
+    block, batch = max(4096, min(1 << 20, capacity // 512)), 32
+    blocks = make_blocks(block, batch)
+    written = 0
+    while written < capacity * 1.05:
+        await put(make_keys(f"fill:{written}", batch), blocks)
+        written += block * batch
+    return written
 
 
 async def _chunks(it: Any, n: int) -> Any:
