@@ -624,10 +624,10 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                 raise ValueError(f"KV-cache group {g} has no layers to transfer")
             skip = first % self._bpc
             n = _cdiv(skip + size, self._bpc)
+            preds = parents[k : k + n] if parents is not None else [None] * n
             parts.append(_Part(transfer, [store_key(key, self._rank) for key in keys[k : k + n]],
                                ids[b : b + size], skip,
-                               [None if p is None else store_key(p, self._rank) for p in parents[k : k + n]]
-                               if parents is not None else [None] * n))
+                               [None if p is None else store_key(p, self._rank) for p in preds]))
             k += n
             b += size
         if k != len(keys) or b != len(ids):
