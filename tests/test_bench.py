@@ -111,7 +111,7 @@ async def test_redis_stores_new_keys_and_evicts_as_kvstore_does() -> None:
     # The put-vs-SET ratio compares like with like: both stores full, every put new keys, evicting;
     # the keys the gets read are never evicted.
     capacity = 16 * 2**20
-    redis = RedisTarget(capacity=capacity)
+    redis = RedisTarget(capacity)
     await redis.start()
     try:
         assert await redis.fill() >= capacity

@@ -132,7 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, transport=transport))
         if "redis" in systems:
             if RedisTarget.available(args.redis_server):
-                redis = RedisTarget(args.redis_server, capacity=parse_size(capacity))
+                redis = RedisTarget(parse_size(capacity), args.redis_server)
                 targets.append(redis)
             else:
                 notes.append(f"redis: `{args.redis_server}` or redis-py not found: skipped")

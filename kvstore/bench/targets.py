@@ -197,9 +197,9 @@ class KVStoreTarget(Target):
 class RedisTarget(Target):
     """redis-server (no persistence) via redis-py's asyncio client with hiredis, pipelined.
 
-    Given a ``capacity``, it runs with that ``--maxmemory`` and ``volatile-lru``: its ``set``
-    writes new keys every request, with a TTL that makes them evictable, just as kvstore's
-    ``put`` stores new keys and evicts; the keys the gets read carry no TTL and stay.
+    It runs with ``capacity`` as ``--maxmemory`` and ``volatile-lru``: its ``set`` writes new
+    keys every request, with a TTL that makes them evictable, just as kvstore's ``put`` stores
+    new keys and evicts; the keys the gets read carry no TTL and stay.
     """
 
     name = "redis"
@@ -207,7 +207,7 @@ class RedisTarget(Target):
     #: that volatile-lru may evict them (and never the keys the gets read).
     PUT_TTL_S = 24 * 3600
 
-    def __init__(self, executable: str = "redis-server", capacity: int | None = None) -> None:
+    def __init__(self, capacity: int, executable: str = "redis-server") -> None:
         self.executable = executable
         self.capacity = capacity
         self._seq = 0
@@ -223,11 +223,10 @@ class RedisTarget(Target):
         self.dir = tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-")
         for _ in range(20):
             port = free_port()
-            limit = [] if self.capacity is None else ["--maxmemory", str(self.capacity),
-                                                      "--maxmemory-policy", "volatile-lru"]
             self.proc = subprocess.Popen(
                 [self.executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                 "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes", *limit],
+                 "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes",
+                 "--maxmemory", str(self.capacity), "--maxmemory-policy", "volatile-lru"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.client = aredis.Redis(host="127.0.0.1", port=port)
             for _ in range(100):
@@ -269,9 +268,6 @@ class RedisTarget(Target):
         return {"used_memory": int(info["used_memory"]), "used_memory_rss": int(info["used_memory_rss"])}
 
     async def fill(self) -> int:
-        if self.capacity is None:
-            return 0
-
         async def put(keys: list[bytes], blocks: list[bytearray]) -> None:
             p = self.client.pipeline(transaction=False)
             for k, v in zip(keys, blocks):
