@@ -193,6 +193,11 @@ async def test_redis_down_and_back_under_running_servers(make_redis, make_server
             AsyncKVClient(wb.addr, namespace="wb", retries=0) as b:
         for kv in (a, b):
             await kv.put(before, [payload[k] for k in before])
+
+        async def written_behind() -> bool:  # a write-behind put is acked before Redis has it
+            return (await b.stats())["tier"]["backlog_blocks"] == 0
+
+        await eventually(written_behind, 10, "the write-behind server to write the first blocks")
         redis.stop()
 
         async def both_degraded() -> bool:
