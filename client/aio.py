@@ -295,10 +295,10 @@ class AsyncKVClient:
         await asyncio.gather(*(n.close() for n in self.nodes))
 
     # -- sharding helpers
-    def _groups(self, keys: Sequence[bytes]) -> list[tuple[_Node, list[int]]]:
-        """Key indexes per server, each list in the keys' order."""
+    def _groups(self, keys: Sequence[bytes]) -> list[tuple[_Node, Sequence[int]]]:
+        """Key indexes per server, each in the keys' order (one server: a range, no list)."""
         if len(self.nodes) == 1:
-            return [(self.nodes[0], list(range(len(keys))))]
+            return [(self.nodes[0], range(len(keys)))]
         groups: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
             groups.setdefault(self.ring.node_of(k), []).append(i)
@@ -311,14 +311,14 @@ class AsyncKVClient:
             return key
         return None
 
-    def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, list[int]]]:
+    def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, Sequence[int]]]:
         """Like :meth:`_groups`, with a large read split into parts of at least
         ``split_bytes`` that go out in parallel over the server's pooled connections
         (block sizes: the buffers', or the last reply's average for ``get``)."""
         groups = self._groups(keys)
         if self.split_bytes <= 0 or self.pool_size == 1:
             return groups
-        out: list[tuple[_Node, list[int]]] = []
+        out: list[tuple[_Node, Sequence[int]]] = []
         for node, idx in groups:
             total = sum(len(buffers[i]) for i in idx) if buffers is not None else len(idx) * self._block_bytes
             parts = min(self.pool_size, len(idx), total // self.split_bytes)
@@ -329,8 +329,8 @@ class AsyncKVClient:
             out += [(node, idx[k:k + step]) for k in range(0, len(idx), step)]
         return out
 
-    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, list[int]], Awaitable[T]],
-                        groups: list[tuple[_Node, list[int]]] | None = None) -> list[tuple[list[int], T]]:
+    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, Sequence[int]], Awaitable[T]],
+                        groups: list[tuple[_Node, Sequence[int]]] | None = None) -> list[tuple[Sequence[int], T]]:
         groups = self._groups(keys) if groups is None else groups
         if len(groups) == 1:  # one server: no gather, no task (each costs loop iterations per request)
             node, idx = groups[0]
@@ -358,7 +358,7 @@ class AsyncKVClient:
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
 
-        async def one(node: _Node, idx: list[int]) -> list[tuple[int, str | None]]:
+        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             if node.shm is not None:  # same host: copied into the arena, checksummed on the way
                 return await node.shm.put(_pick(keys, idx), _pick(views, idx), before)
@@ -396,7 +396,7 @@ class AsyncKVClient:
         if not keys:
             return 0
 
-        async def one(node: _Node, idx: list[int]) -> int:
+        async def one(node: _Node, idx: Sequence[int]) -> int:
             resp = await node.call(Lookup(keys=_pick(keys, idx), pin=pin, lease_ms=lease_ms))
             n = resp.fields.get("n")
             if type(n) is not int or not 0 <= n <= len(idx):
@@ -435,7 +435,7 @@ class AsyncKVClient:
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
 
-        async def one(node: _Node, idx: list[int]) -> _GetSink | GetOutcome:
+        async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
             if node.shm is not None:  # same host: copied out of the arena, verified on the way
                 return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
@@ -507,7 +507,7 @@ class AsyncKVClient:
         return max(await asyncio.gather(*(one(n) for n in self.nodes)))
 
     async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
-        async def one(node: _Node, idx: list[int]) -> list[bool]:
+        async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
             resp = await node.call(make(_pick(keys, idx)))
             vals = resp.fields.get(name)
             if not isinstance(vals, list) or len(vals) != len(idx):
@@ -521,7 +521,7 @@ class AsyncKVClient:
         return out
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
-        async def one(node: _Node, idx: list[int]) -> int:
+        async def one(node: _Node, idx: Sequence[int]) -> int:
             return _int_field(await node.call(make(_pick(keys, idx)), idempotent=idempotent), "n")
 
         return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
@@ -542,7 +542,7 @@ def _int_field(resp: Response, name: str) -> int:
     return v
 
 
-def _pick(items: Sequence[T], idx: list[int]) -> list[T]:
+def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:
     """``items`` at ``idx`` (ascending, as the groups hold them); the list itself,
     not a copy, when ``idx`` is all of it: one server, the usual case."""
     if len(idx) == len(items) and isinstance(items, list):

@@ -68,6 +68,7 @@ class StoreStats(TypedDict):
     free_bytes: int
     reserved_bytes: int  # bytes of pages held by open reservations
     pinned_blocks: int  # blocks with a reader or an unexpired lease
+    stranded_blocks: int  # blocks whose chain predecessor is gone: evicted first
     leases: int
     evictions: int
     evicted_bytes: int  # payload bytes evicted
@@ -234,6 +235,7 @@ class BlockStore:
         self._index_pages = 0
         self._pinned_pages = 0
         self._pinned_blocks = 0
+        self._stranded = 0  # blocks with .stranded set: while none is, a lookup need not look for one
         self._leases = 0
         self._reserved_pages = 0
         self._events = dict.fromkeys(
@@ -317,6 +319,7 @@ class BlockStore:
             block.stranded = parent_block.stranded
         self._policy.add(block.pkey, None if parent_block is None else parent_block.pkey)
         if block.stranded:
+            self._stranded += 1
             self._policy.demote(block.pkey)
         return True
 
@@ -358,10 +361,9 @@ class BlockStore:
             InvalidRequest: bad namespace, key or ``lease_s``.
         """
         _check_ns(ns)
-        check_keys(keys)
         deadline = self._deadline(lease_s) if pin else 0.0
         ns_blocks = self._blocks.get(ns, {})
-        found: list[_Block] = list(map(ns_blocks.get, keys))  # type: ignore[arg-type]
+        found: list[_Block] = self._index(ns_blocks, keys)  # type: ignore[assignment]
         if not all(found):  # (a block is always true: a fast C test)
             found = found[:found.index(None)]
         if found and not self._linked(found, keys):
@@ -377,12 +379,31 @@ class BlockStore:
         return len(found)
 
     @staticmethod
-    def _linked(found: list[_Block], keys: Sequence[bytes]) -> bool:
+    def _index(ns_blocks: dict[bytes, _Block], keys: Sequence[bytes]) -> list[_Block | None]:
+        """The blocks of a read's keys (None where missing), the keys checked.
+
+        Only valid keys are ever stored, so a key found is valid: only the
+        misses are checked, and a chain read again costs no key check at all
+        (the server's codec has checked the batch already).
+
+        Raises:
+            InvalidRequest: a bad key.
+        """
+        try:
+            found = list(map(ns_blocks.get, keys))
+        except TypeError:  # an unhashable "key": check_keys names it
+            check_keys(keys)
+            raise
+        if not all(found):
+            check_keys([key for key, block in zip(keys, found) if block is None])
+        return found
+
+    def _linked(self, found: list[_Block], keys: Sequence[bytes]) -> bool:
         """Whether each found block is already linked to the one before it and none
         is stranded: a chain read again, the common case, checked in C loops."""
         before = keys[:len(found) - 1]
         return (list(map(_PARENT, found[1:])) == (before if isinstance(before, list) else list(before))
-                and not any(map(_STRANDED, found)))
+                and not (self._stranded and any(map(_STRANDED, found))))
 
     def _link(self, ns_blocks: dict[bytes, _Block], found: list[_Block]) -> None:
         """A lookup reached ``found`` in this order: link unparented or stranded
@@ -391,7 +412,9 @@ class BlockStore:
             if (block.stranded or block.parent is None) and block is not prev:
                 self._relink(ns_blocks, block, prev)
         for block in found:
-            block.stranded = False
+            if block.stranded:
+                block.stranded = False
+                self._stranded -= 1
 
     def acquire(self, ns: str, key: bytes) -> BlockRef | None:
         """Pin a block for an in-flight read, touch it and renew its leases.
@@ -409,14 +432,10 @@ class BlockStore:
             InvalidRequest: bad namespace or key.
         """
         _check_ns(ns)
-        check_keys(keys)
-        ns_blocks = self._blocks.get(ns)
-        if ns_blocks is None:
-            return [None] * len(keys)
+        ns_blocks = self._blocks.get(ns, {})
         refs: list[BlockRef | None] = []
         touched: list[_Block] = []
-        for key in keys:
-            block = ns_blocks.get(key)
+        for key, block in zip(keys, self._index(ns_blocks, keys)):
             if block is None:
                 refs.append(None)
                 continue
@@ -534,6 +553,7 @@ class BlockStore:
             free_bytes=arena.free_bytes,
             reserved_bytes=self._reserved_pages * arena.page_size,
             pinned_blocks=self._pinned_blocks,
+            stranded_blocks=self._stranded,
             leases=self._leases,
             evictions=events["evictions"],
             evicted_bytes=events["evicted_bytes"],
@@ -620,6 +640,8 @@ class BlockStore:
         self._payload -= block.size
         self._index_pages -= pages
         self._ns_bytes[ns] -= block.size
+        if block.stranded:
+            self._stranded -= 1
         if block.parent is not None and (parent := ns_blocks.get(block.parent)) is not None:
             parent.drop_child(key)
         for child_key in block.child_keys():
@@ -644,6 +666,7 @@ class BlockStore:
             if child is None or child.stranded:
                 continue  # a stranded block's descendants are stranded already
             child.stranded = True
+            self._stranded += 1
             stranded.append(child)
             stack.extend(child.child_keys())
         for child in reversed(stranded):

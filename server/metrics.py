@@ -117,6 +117,7 @@ class KVStoreCollector:
             "free_bytes": ("kvstore_free_bytes", "Bytes of block memory free"),
             "reserved_bytes": ("kvstore_reserved_bytes", "Bytes reserved for PUT payloads still arriving"),
             "pinned_blocks": ("kvstore_pinned_blocks", "Blocks protected from eviction (leased or being sent)"),
+            "stranded_blocks": ("kvstore_stranded_blocks", "Blocks whose chain predecessor is gone (evicted first)"),
             "leases": ("kvstore_leases", "Live leases from pinned prefix lookups"),
         }
         for field, (name, doc) in gauges.items():

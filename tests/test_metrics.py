@@ -113,6 +113,7 @@ async def test_evictions_and_pins_are_counted(make_server, metrics_url) -> None:
         assert await kv.lookup(first, pin=True) == 1  # pinned: eviction must skip it
         for i in range(1, 20):
             await kv.put([key(i, "ev")], [bytes(128 << 10)])
+        await kv.put([key(21, "ev")], [b"tail"], parent=key(20, "ev"))  # its predecessor is absent: stranded
         stats = await kv.stats()
         samples = scrape(base)
     assert stats["store"]["evictions"] >= 12
@@ -120,6 +121,7 @@ async def test_evictions_and_pins_are_counted(make_server, metrics_url) -> None:
     assert value(samples, "kvstore_evicted_bytes_total") == stats["store"]["evictions"] * (128 << 10)
     assert value(samples, "kvstore_pinned_blocks") == 1
     assert value(samples, "kvstore_leases") == 1
+    assert value(samples, "kvstore_stranded_blocks") == stats["store"]["stranded_blocks"] == 1
     assert value(samples, "kvstore_used_bytes") <= 1 << 20
 
 

@@ -120,6 +120,11 @@ def test_invalid_requests_are_rejected_before_any_effect(policy: str) -> None:
         lambda: store.reserve(NS, k(1), 1.5),  # type: ignore[arg-type]
         lambda: store.reserve(b"ns", k(1), 10),  # type: ignore[arg-type]
         lambda: store.lookup(NS, [k(0), b""]),
+        lambda: store.lookup(NS, [k(0), k(5), bad_key]),  # after the first miss, every key is checked
+        lambda: store.lookup(NS, [k(0), [b"unhashable"]]),  # type: ignore[list-item]
+        lambda: store.lookup("never-used", [k(0), 7]),  # type: ignore[list-item]
+        lambda: store.acquire_many(NS, [k(0), "text", k(0)]),  # type: ignore[list-item]
+        lambda: store.acquire_many(NS, [{}]),  # type: ignore[list-item]
         lambda: store.lookup(NS, [k(0)], pin=True, lease_s=-1),
         lambda: store.lookup(NS, [k(0)], pin=True, lease_s=float("inf")),
         lambda: store.exists(NS, [k(0), "k"]),  # type: ignore[list-item]
@@ -132,7 +137,7 @@ def test_invalid_requests_are_rejected_before_any_effect(policy: str) -> None:
             call()
     stats = store.stats()
     assert store.exists(NS, [k(0)]) == [True]  # the delete with a bad key deleted nothing
-    assert (stats["lookups"], stats["leases"], stats["used_bytes"]) == (0, 0, PS)
+    assert (stats["lookups"], stats["leases"], stats["used_bytes"], stats["pinned_blocks"]) == (0, 0, PS, 0)
 
 
 def test_too_large_and_bad_configuration(policy: str) -> None:
@@ -195,7 +200,7 @@ def test_stats_are_plain_ints(policy: str) -> None:
     stats: dict[str, object] = dict(store.stats())
     assert stats.pop("eviction") == policy
     expected = {
-        "blocks", "bytes", "used_bytes", "capacity", "free_bytes", "reserved_bytes", "pinned_blocks", "leases",
+        "blocks", "bytes", "used_bytes", "capacity", "free_bytes", "reserved_bytes", "pinned_blocks", "stranded_blocks", "leases",
         "evictions", "evicted_bytes", "stored", "dedup", "lookups", "lookup_hit_keys", "lookup_miss_keys", "page_size",
     }  # fmt: skip
     assert set(stats) == expected
@@ -340,11 +345,12 @@ def test_stranded_tails_go_before_reachable_blocks(policy: str) -> None:
     put_batch(store, ["a0", "a1", "a2", "a3"])
     # delete [a1] -> a2, a3 can never be reached by a lookup again
     assert store.delete(NS, [k("a1")]) == 1
+    assert store.stats()["stranded_blocks"] == 2
     assert store.lookup(NS, [k(n) for n in ["a0", "a1", "a2", "a3"]]) == 1
     # put [n0 n1 n2] -> n0 takes a1's page, then evicts [a3] and [a2], although old0/old1 are older
     put_batch(store, ["n0", "n1", "n2"])
     assert present(store, ["old0", "old1", "a0", "a2", "a3"]) == ["old0", "old1", "a0"]
-    assert store.stats()["evictions"] == 2
+    assert (store.stats()["evictions"], store.stats()["stranded_blocks"]) == (2, 0)
 
 
 def test_evicted_head_strands_its_chain(policy: str) -> None:
@@ -368,9 +374,11 @@ def test_lookup_through_a_restored_head_makes_the_tail_reachable_again(policy: s
     store = make(policy, 5)
     put_batch(store, ["a0", "a1", "a2"])
     store.delete(NS, [k("a0")])  # a1, a2 stranded
+    assert store.stats()["stranded_blocks"] == 2
     put_batch(store, ["a0"])  # promoted back from a lower tier, alone
     put_batch(store, ["x0", "x1"])
     assert store.lookup(NS, [k("a0"), k("a1"), k("a2")]) == 3  # reached again: live, relinked
+    assert store.stats()["stranded_blocks"] == 0
     # put [y0] -> evicts [x1], the older chain's tail; stranded a2 would have gone first
     put_batch(store, ["y0"])
     assert present(store, ["a0", "a1", "a2", "x0", "x1"]) == ["a0", "a1", "a2", "x0"]
@@ -562,6 +570,7 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
         assert stats["blocks"] == len(live) == len(store.policy)
         assert stats["bytes"] == sum(len(contents[nk][0]) for nk in live)
         assert stats["pinned_blocks"] == len(leases.keys() | readers)
+        assert stats["stranded_blocks"] == sum(b.stranded for blocks in store._blocks.values() for b in blocks.values())
         assert stats["leases"] == sum(len(ts) for ts in leases.values())
         assert stats["reserved_bytes"] == 0
         for ns, key in rng.sample(sorted(live), min(4, len(live))):
