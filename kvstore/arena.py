@@ -122,6 +122,7 @@ class Arena:
         else:
             self._region = _map_region(self.capacity, prefault)
         self.buffer: memoryview = memoryview(self._region)
+        self._readonly = self.buffer.toreadonly()  # what readers' views are cut from
         # One byte per page, 1 = allocated: O(run) checks against double frees.
         self._used = bytearray(self.num_pages)
         self._ones = memoryview(b"\x01" * self.num_pages)
@@ -191,13 +192,20 @@ class Arena:
             self.free_pages += n
             self._release(start, n)
 
-    def views(self, extent: Extent, nbytes: int) -> list[memoryview]:
-        """Writable views over exactly the first ``nbytes`` of ``extent``, one per run.
+    def views(self, extent: Extent, nbytes: int, *, readonly: bool = False) -> list[memoryview]:
+        """Views over exactly the first ``nbytes`` of ``extent``, one per run
+        (writable, or ``readonly`` for a reader).
 
         Raises:
             ValueError: ``nbytes`` is negative or larger than the extent.
         """
         page_size = self.page_size
+        buffer = self._readonly if readonly else self.buffer
+        if len(extent) == 1:  # the usual case, kept cheap: it runs once per block sent or received
+            start, n = extent[0]
+            if not 0 <= nbytes <= n * page_size:
+                raise ValueError(f"nbytes {nbytes} does not fit the extent")
+            return [buffer[start * page_size : start * page_size + nbytes]] if nbytes else []
         if nbytes < 0 or nbytes > self.pages(extent) * page_size:
             raise ValueError(f"nbytes {nbytes} does not fit the extent")
         out: list[memoryview] = []
@@ -207,7 +215,7 @@ class Arena:
                 break
             offset = start * page_size
             size = min(n * page_size, left)
-            out.append(self.buffer[offset : offset + size])
+            out.append(buffer[offset : offset + size])
             left -= size
         return out
 

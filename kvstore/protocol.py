@@ -316,11 +316,11 @@ class FrameReader:
         views = self._sink.target(self._item)
         if views is None:
             self._discarding = True
-        else:
-            views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-            if sum(len(v) for v in views) != item_size:
-                raise ValueError("sink target does not match the block size")
-            self._targets = [v for v in views if len(v)]
+            return
+        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        if sum(map(len, views)) != item_size:
+            raise ValueError("sink target does not match the block size")
+        self._targets = views if all(views) else [v for v in views if len(v)]
 
     def _advance_target(self, n: int) -> None:
         head = self._targets[0]

@@ -184,7 +184,7 @@ class BlockRef:
         if not self._open:
             return []
         block = self._block
-        return [view.toreadonly() for view in self._arena.views(block.extent, block.size)]
+        return self._arena.views(block.extent, block.size, readonly=True)
 
     @property
     def extent(self) -> Extent:
@@ -439,12 +439,12 @@ class BlockStore:
             if block is None:
                 refs.append(None)
                 continue
-            was = block.refs > 0 or block.leases is not None
-            block.refs += 1
             if block.leases is not None:
                 self._renew(block)
-            elif not was:
-                self._repinned(block, False)
+            elif not block.refs:  # pinned from now on (inline: this loop runs per block sent)
+                self._pinned_pages += block.pages
+                self._pinned_blocks += 1
+            block.refs += 1
             if not block.stranded:
                 touched.append(block)
             refs.append(BlockRef(ns, key, block, self._arena))
@@ -458,16 +458,27 @@ class BlockStore:
         Raises:
             ValueError: ``ref`` was already released.
         """
-        if not ref._open:
-            raise ValueError(f"{ref!r} was already released")
-        ref._open = False
-        block = ref._block
-        was = block.pinned
-        block.refs -= 1
-        if not block.dead:
-            self._repinned(block, was)
-        elif block.refs == 0:
-            self._arena.free(block.extent)
+        self.release_many((ref,))
+
+    def release_many(self, refs: Iterable[BlockRef]) -> None:
+        """``release`` each of a batch read's references, in order.
+
+        Raises:
+            ValueError: a reference was already released (those before it are released).
+        """
+        for ref in refs:
+            if not ref._open:
+                raise ValueError(f"{ref!r} was already released")
+            ref._open = False
+            block = ref._block
+            block.refs -= 1
+            if block.refs:
+                continue
+            if block.dead:
+                self._arena.free(block.extent)
+            elif block.leases is None:  # it was pinned by its readers alone
+                self._pinned_pages -= block.pages
+                self._pinned_blocks -= 1
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         """A copy of a block's bytes, or None (touches it like a read)."""

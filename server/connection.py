@@ -184,11 +184,7 @@ class Connection(asyncio.BufferedProtocol):
             task.add_done_callback(self._task_done)
             return
         if isinstance(result, GetResult):
-            fields = result.fields
-            # A plain GET sends every block it sizes: the length is known without measuring each view.
-            # (A subclass such as SHM_GET's sizes blocks it does not send.)
-            payload_len = sum(n for n in fields["sizes"] if n > 0) if kind is GetResult else None
-            self._write(reply(op, rid, result.payload, payload_len, **fields), result.refs)
+            self._write(reply(op, rid, result.payload, result.payload_len, **result.fields), result.refs)
         else:
             self._write(reply(op, rid, **result))
         self.service.counters.count(name)
@@ -230,7 +226,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.service.release(refs)
             return
         transport.writelines(buffers)
-        self.service.counters.bytes_out += sum(len(b) for b in buffers)
+        self.service.counters.bytes_out += sum(map(len, buffers))
         if refs:
             if transport.get_write_buffer_size():
                 self.unsent_refs.extend(refs)  # still referenced by the transport

@@ -148,20 +148,27 @@ class PutSink:
 
 @dataclass
 class GetResult:
-    """Per key: the block's views (``None`` when missing), its checksum; and the pins to release once sent."""
+    """Per key: the block's views (``None`` when missing), its size (-1 when missing)
+    and checksum; and the pins to release once sent."""
 
     blocks: list[list[memoryview] | None]
     checksums: list[int]
     refs: list[BlockRef]
+    sizes: list[int] = field(default_factory=list)
 
     @property
     def fields(self) -> Fields:
-        return {"sizes": [-1 if b is None else sum(len(v) for v in b) for b in self.blocks],
-                "checksums": self.checksums}
+        return {"sizes": self.sizes, "checksums": self.checksums}
 
     @property
     def payload(self) -> list[memoryview]:
         return [v for b in self.blocks if b is not None for v in b]
+
+    @property
+    def payload_len(self) -> int | None:
+        """The payload's bytes (None: let the encoder count them): every block sized is sent."""
+        sizes = self.sizes
+        return sum(sizes) + sizes.count(-1)  # (each missing block counted -1, added back)
 
 
 class Service:
@@ -244,9 +251,14 @@ class Service:
         ns = session.namespace
         res = GetResult([], [], [])
         for ref in self.store.acquire_many(ns, msg.keys):
-            res.blocks.append(None if ref is None else ref.views)
-            res.checksums.append(0 if ref is None else ref.checksum)
-            if ref is not None:
+            if ref is None:
+                res.blocks.append(None)
+                res.sizes.append(-1)
+                res.checksums.append(0)
+            else:
+                res.blocks.append(ref.views)
+                res.sizes.append(ref.size)
+                res.checksums.append(ref.checksum)
                 res.refs.append(ref)
         if msg.unpin:
             self.store.unpin(ns, msg.keys)
@@ -267,6 +279,7 @@ class Service:
                 continue
             data, checksum = item
             res.blocks[i] = [memoryview(data)]
+            res.sizes[i] = len(data)
             res.checksums[i] = checksum
             if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
                 continue  # corrupted in the tier: sent as is so the client reports it, never cached in memory
@@ -277,8 +290,7 @@ class Service:
         return res
 
     def release(self, refs: list[BlockRef]) -> None:
-        for ref in refs:
-            self.store.release(ref)
+        self.store.release_many(refs)
 
     def exists(self, session: Session, msg: Exists) -> MaybeAsync:
         present = self.store.exists(session.namespace, msg.keys)

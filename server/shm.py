@@ -121,13 +121,16 @@ class ShmGetResult(GetResult):
     when the reply is written (``refs`` stays empty).
     """
 
-    sizes: list[int] = field(default_factory=list)
     locs: list[Loc | None] = field(default_factory=list)
     handle: int = 0
 
     @property
     def fields(self) -> Fields:
         return {"sizes": self.sizes, "checksums": self.checksums, "locs": self.locs, "handle": self.handle}
+
+    @property
+    def payload_len(self) -> int | None:
+        return None  # it sizes blocks it does not send
 
 
 # --------------------------------------------------------------------------- the service

@@ -139,20 +139,27 @@ def test_fragmented_free_space_still_fits_and_views_follow_runs() -> None:
         view[:] = payload[offset : offset + len(view)]
         offset += len(view)
     assert content(arena, extent, len(payload)) == payload
+    readonly = arena.views(extent, len(payload), readonly=True)
+    assert [len(v) for v in readonly] == [PS, PS, PS, 10] and all(v.readonly for v in readonly)
+    assert b"".join(readonly) == payload
 
 
 def test_views_cover_exactly_nbytes() -> None:
     arena = Arena(8 * PS, PS)
-    extent = arena.alloc(3 * PS)
-    assert extent is not None
+    fill(arena, take(arena, PS), PS, 0xEE)  # a neighbour: views must not reach into it
+    extent = take(arena, 3 * PS)
+    fill(arena, extent, 3 * PS, 0x5A)
     for nbytes in (0, 1, PS, 2 * PS + 1, 3 * PS):
-        views = arena.views(extent, nbytes)
-        assert sum(len(v) for v in views) == nbytes
-        assert all(not v.readonly for v in views)
+        for readonly in (False, True):
+            views = arena.views(extent, nbytes, readonly=readonly)
+            assert sum(len(v) for v in views) == nbytes
+            assert all(v.readonly == readonly for v in views)
+            assert b"".join(views) == b"\x5a" * nbytes
     assert len(arena.views(extent, 3 * PS)) == 1  # one run, one view
     for bad in (-1, 3 * PS + 1):
-        with pytest.raises(ValueError):
-            arena.views(extent, bad)
+        for readonly in (False, True):
+            with pytest.raises(ValueError):
+                arena.views(extent, bad, readonly=readonly)
 
 
 def test_double_free_raises_and_changes_nothing() -> None:

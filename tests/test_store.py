@@ -329,10 +329,13 @@ def test_acquire_many_pins_each_found_block_and_touches_them_as_one_chain(policy
     assert [r is None for r in refs] == [False, True, False, False, False]
     assert [b"".join(r.views) for r in refs if r is not None] == [data("a0"), data("a1"), data("a1"), data("a2")]
     assert store.stats()["pinned_blocks"] == 3
-    for ref in refs:
-        if ref is not None:
-            store.release(ref)
+    held = [r for r in refs if r is not None]
+    store.release_many(held[:3])  # a1 is still read once
+    assert store.stats()["pinned_blocks"] == 1
+    store.release_many(held[3:])
     assert store.stats()["pinned_blocks"] == 0 and refs[0] is not None and refs[0].views == []
+    with pytest.raises(ValueError, match="already released"):
+        store.release_many(held[2:])
     # as a chain read: x, y go first; then the re-read chain from its tail
     put_batch(store, ["z"])
     put_batch(store, ["w"])
@@ -508,8 +511,10 @@ def test_delete_while_acquired_keeps_pages_until_release(policy: str) -> None:
         store.reserve(NS, k(1), 3 * PS)
     put_batch(store, [1, 2])
     assert b"".join(ref.views) == data(0)  # the reader's bytes are intact
-    store.release(ref)
-    assert store.stats()["used_bytes"] == 2 * PS
+    again = store.acquire(NS, k(1))
+    assert again is not None
+    store.release_many([ref, again])  # the last reader of the deleted block frees its page
+    assert store.stats()["used_bytes"] == 2 * PS and store.stats()["pinned_blocks"] == 0
     assert put_batch(store, [3]) == [True] and store.stats()["evictions"] == 0
 
 
