@@ -81,6 +81,25 @@ class _Order(Generic[K]):
         """
         return not keys or list(map(self._prev.get, [anchor, *keys[:-1]])) == keys
 
+    def move_run_before(self, keys: list[K], anchor: Any) -> bool:
+        """Move ``keys`` just before ``anchor`` in O(1) if they already stand together in
+        that order somewhere (keys[0] at the run's back end), splicing the run out and in;
+        False, changing nothing, when they do not (or the anchor is one of them).
+
+        The common case of a chain read again after other chains were touched: stored
+        as a run, it is still one, only no longer at the back. Checked with one C loop.
+        """
+        prev, nxt = self._prev, self._next
+        if len(keys) < 2 or list(map(prev.get, keys[:-1])) != keys[1:] or (anchor is not _END and anchor in keys):
+            return False
+        front, back = keys[-1], keys[0]
+        before, after = prev[front], nxt[back]
+        nxt[before], prev[after] = after, before
+        last = prev[anchor]
+        nxt[last], prev[front] = front, last
+        nxt[back], prev[anchor] = anchor, back
+        return True
+
     def discard(self, key: K) -> bool:
         """Unlink ``key``; False when it was not a member."""
         after = self._next.pop(key, _END)
@@ -162,6 +181,8 @@ class _ChainPolicy(EvictionPolicy[K]):
         """Put ``keys`` into ``order``: the first just before ``anchor``, each
         later one just before the previous. ``take`` unlinks a key from wherever
         it is and says whether it was resident; non-resident keys are skipped."""
+        if isinstance(keys, list) and order.move_run_before(keys, anchor):
+            return  # a run standing elsewhere in ``order``: spliced, not moved key by key
         for key in keys:
             if key == anchor or not take(key):
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -210,6 +211,68 @@ def test_lru_rereading_a_chain_in_place_keeps_the_order_a_partly_moved_one_is_pl
     lru.add("y")
     lru.touch(list("ba"))  # not in place: moved to the back, b newest
     assert drain(lru) == ["c", "y", "a", "b"]
+
+
+def test_a_run_standing_elsewhere_is_spliced_to_the_back_whole() -> None:
+    lru = LRUPolicy[str]()
+    put_chain(lru, "abc")  # stored as a run: c, b, a
+    lru.add("x")
+    lru.add("y")
+    lru.touch(list("abc"))  # not in place (x, y are newer) but still one run: spliced
+    assert list(lru._live) == ["x", "y", "c", "b", "a"]
+    lru.touch(list("abc"), parent="b")  # one run, but the anchor is in it: moved key by key
+    assert list(lru._live) == ["x", "y", "c", "b", "a"]
+    lru.touch(list("xy"), parent="a")  # not one run: x just before a, y just before x
+    assert list(lru._live) == ["c", "b", "y", "x", "a"]
+    lru.touch(list("xy"), parent="c")  # one run now: spliced in front of c
+    assert list(lru._live) == ["y", "x", "c", "b", "a"]
+    assert drain(lru) == ["y", "x", "c", "b", "a"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_splicing_a_run_orders_keys_as_moving_them_one_by_one(
+    name: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random adds, touches (runs, pieces of runs, shuffles), demotions and removals on two
+    policies, one without the splice: the same evictions, in the same order, every time."""
+    from kvstore import eviction
+
+    rng = random.Random(seed)
+    fast, slow = make_policy(name), make_policy(name)
+    original = eviction._Order.move_run_before
+
+    def move(order: eviction._Order[str], keys: list[str], anchor: object) -> bool:
+        return False if order in slow_orders else original(order, keys, anchor)
+
+    slow_orders = [v for v in vars(slow).values() if isinstance(v, eviction._Order)]
+    monkeypatch.setattr(eviction._Order, "move_run_before", move)
+    keys = [f"k{i}" for i in range(24)]
+    for step in range(400):
+        op, key = rng.random(), rng.choice(keys)
+        if op < 0.3:
+            parent = rng.choice([None, *keys])
+            for p in (fast, slow):
+                p.add(key, parent)
+        elif op < 0.7:
+            start = rng.randrange(len(keys))
+            batch = keys[start : start + rng.randint(1, 8)]
+            if rng.random() < 0.2:
+                rng.shuffle(batch)
+            parent = rng.choice([None, None, *keys])
+            for p in (fast, slow):
+                p.touch(list(batch), parent)
+        elif op < 0.8:
+            for p in (fast, slow):
+                p.demote(key)
+        elif op < 0.9:
+            for p in (fast, slow):
+                p.remove(key)
+        else:
+            protected = set(rng.sample(keys, 4))
+            assert fast.evict(protected.__contains__) == slow.evict(protected.__contains__), step
+        assert len(fast) == len(slow)
+    assert drain(fast) == drain(slow)
 
 
 # -- ARC ------------------------------------------------------------------------
