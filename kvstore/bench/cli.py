@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from kvstore.config import parse_size
 
 from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
-from .matrix import run_lookups, run_matrix
+from .matrix import LOOKUP_CHAINS, run_lookups, run_matrix
 from .report import (add_ratios, check_targets, concurrency_table, draw_chart, lookup_table, matrix_table,
                      memory_lines, rss_summary, targets_table)
 from .sweep import index_overhead, run_capacity, run_concurrency, run_small_blocks
@@ -232,7 +232,7 @@ def print_report(res: dict[str, Any]) -> None:
              "of pipelined GET and MGET, (s)/(g)/(m) says which)")
         _say(matrix_table(res["matrix"]))
     if res.get("lookup"):
-        _say("\nprefix lookup of a fully present chain")
+        _say(f"\nprefix lookup of a fully present chain ({LOOKUP_CHAINS} chains of each length, read in turn)")
         _say(lookup_table(res["lookup"]))
     if res.get("concurrency"):
         _say("\nconcurrency (one client process, N asyncio clients, one connection each)")

@@ -117,30 +117,39 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
     return out
 
 
+#: Chains of each length the lookup benchmark reads in turn.
+LOOKUP_CHAINS = 4
+
+
 async def run_lookups(kv: KVStoreTarget, redis: RedisTarget | None, chains: list[int], reps: int, trials: int,
                       log: Log) -> list[dict[str, Any]]:
     """Prefix lookup of a fully present chain of n keys: one request, n keys checked.
 
+    Each request reads the next of ``LOOKUP_CHAINS`` chains, so the chain read
+    is never the one read last, as for an engine serving several requests.
     Redis has no prefix call; its nearest equivalent is one pipelined round
     trip of n EXISTS (which cannot stop at the first miss).
     """
     out = []
+    tiny = make_blocks(64, 1)[0]
     for n in chains:
-        keys = make_keys(f"chain:{n}", n)
-        tiny = make_blocks(64, 1)[0]
-        await kv.client.put(keys, [tiny] * n)
+        chain_keys = [make_keys(f"chain:{n}:{c}", n) for c in range(LOOKUP_CHAINS)]
+        for keys in chain_keys:
+            await kv.client.put(keys, [tiny] * n)
         ops: list[tuple[str, str, Op]] = []
 
-        async def kv_lookup(i: int, keys: list[bytes] = keys, n: int = n) -> None:
-            m = await kv.client.lookup(keys)
+        async def kv_lookup(i: int, chain_keys: list[list[bytes]] = chain_keys, n: int = n) -> None:
+            m = await kv.client.lookup(chain_keys[i % LOOKUP_CHAINS])
             if m != n:
                 raise RuntimeError(f"kvstore lookup found {m} of {n}")
 
         ops.append(("kvstore", "lookup", kv_lookup))
         if redis is not None:
-            await redis.client.mset({k: bytes(tiny) for k in keys})
+            for keys in chain_keys:
+                await redis.client.mset({k: bytes(tiny) for k in keys})
 
-            async def redis_exists(i: int, keys: list[bytes] = keys, n: int = n) -> None:
+            async def redis_exists(i: int, chain_keys: list[list[bytes]] = chain_keys, n: int = n) -> None:
+                keys = chain_keys[i % LOOKUP_CHAINS]
                 if n == 1:
                     found = [await redis.client.exists(keys[0])]
                 else:
