@@ -71,28 +71,26 @@ class _Order(Generic[K]):
         self._next[key] = anchor
         self._prev[anchor] = key
 
-    def is_run_before(self, keys: list[K], anchor: Any) -> bool:
-        """Whether ``keys`` already stand in order just before ``anchor`` (keys[0] nearest),
-        i.e. whether placing them there would change nothing.
+    def place_run(self, keys: list[K], anchor: Any) -> bool:
+        """Stand ``keys`` in order just before ``anchor`` (keys[0] nearest) if they form
+        that run somewhere already: in place (nothing changes) or elsewhere (spliced out
+        and in, O(1)). False, changing nothing, when they do not form a run, or the run
+        holds the anchor: the caller then moves them one by one.
 
-        Checked as one list comparison (a C loop: it runs on every lookup of a
-        long chain). A batch that repeats a key or holds the anchor is answered
-        False, which costs a relinking that changes nothing, never a wrong order.
+        A chain read again is usually such a run: stored as a batch or read before, and
+        in place unless other chains were touched since. One C loop decides it (it runs
+        on every lookup and batch read of a chain).
         """
-        return not keys or list(map(self._prev.get, [anchor, *keys[:-1]])) == keys
-
-    def move_run_before(self, keys: list[K], anchor: Any) -> bool:
-        """Move ``keys`` just before ``anchor`` in O(1) if they already stand together in
-        that order somewhere (keys[0] at the run's back end), splicing the run out and in;
-        False, changing nothing, when they do not (or the anchor is one of them).
-
-        The common case of a chain read again after other chains were touched: stored
-        as a run, it is still one, only no longer at the back. Checked with one C loop.
-        """
+        if not keys:
+            return True
         prev, nxt = self._prev, self._next
-        if len(keys) < 2 or list(map(prev.get, keys[:-1])) != keys[1:] or (anchor is not _END and anchor in keys):
-            return False
         front, back = keys[-1], keys[0]
+        if (list(map(prev.get, keys[:-1])) != keys[1:]) if len(keys) > 1 else back not in prev:
+            return False
+        if prev[anchor] == back:
+            return True  # in place already
+        if anchor is not _END and anchor in keys:
+            return False
         before, after = prev[front], nxt[back]
         nxt[before], prev[after] = after, before
         last = prev[anchor]
@@ -181,8 +179,8 @@ class _ChainPolicy(EvictionPolicy[K]):
         """Put ``keys`` into ``order``: the first just before ``anchor``, each
         later one just before the previous. ``take`` unlinks a key from wherever
         it is and says whether it was resident; non-resident keys are skipped."""
-        if isinstance(keys, list) and order.move_run_before(keys, anchor):
-            return  # a run standing elsewhere in ``order``: spliced, not moved key by key
+        if isinstance(keys, list) and order.place_run(keys, anchor):
+            return  # in place already, or a run spliced from elsewhere: not moved key by key
         for key in keys:
             if key == anchor or not take(key):
                 continue
@@ -218,10 +216,8 @@ class LRUPolicy(_ChainPolicy[K]):
             self._live.insert_before(key, self._anchor(parent))
 
     def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
-        keys, anchor = keys if isinstance(keys, list) else list(keys), self._anchor(parent)
-        if self._live.is_run_before(keys, anchor):
-            return  # the chain read again, already in place: the common case, no relinking
-        self._place(self._live, keys, anchor, self._take)
+        keys = keys if isinstance(keys, list) else list(keys)
+        self._place(self._live, keys, self._anchor(parent), self._take)
 
     def remove(self, key: K) -> None:
         self._take(key)

@@ -240,13 +240,13 @@ def test_splicing_a_run_orders_keys_as_moving_them_one_by_one(
 
     rng = random.Random(seed)
     fast, slow = make_policy(name), make_policy(name)
-    original = eviction._Order.move_run_before
+    original = eviction._Order.place_run
 
     def move(order: eviction._Order[str], keys: list[str], anchor: object) -> bool:
         return False if order in slow_orders else original(order, keys, anchor)
 
     slow_orders = [v for v in vars(slow).values() if isinstance(v, eviction._Order)]
-    monkeypatch.setattr(eviction._Order, "move_run_before", move)
+    monkeypatch.setattr(eviction._Order, "place_run", move)
     keys = [f"k{i}" for i in range(24)]
     for step in range(400):
         op, key = rng.random(), rng.choice(keys)
