@@ -29,9 +29,7 @@ import logging
 import mmap
 import os
 import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
@@ -47,6 +45,7 @@ from kvstore.protocol import (
 )
 
 from .connection import ClientConnection, Response
+from .workers import run_parallel
 
 if TYPE_CHECKING:
     from .aio import AsyncKVClient, _Node
@@ -167,14 +166,6 @@ def _map(fd: int, fields: dict[str, Any], populate: bool) -> ShmSegment:
 
 # --------------------------------------------------------------------------- copies
 
-#: Threads copying one batch's blocks. ``memmove`` (ctypes) and xxh3 release the
-#: GIL, so the copies run in parallel: measured here for 32 x 4 MiB out of a
-#: memfd mapping, ~8 GB/s on one core and 10-15 GB/s on two (one core's memcpy
-#: does not saturate DRAM). ``KVSTORE_SHM_COPY_THREADS`` overrides the default.
-COPY_THREADS = max(1, int(os.environ.get("KVSTORE_SHM_COPY_THREADS", "0") or 0) or min(4, os.cpu_count() or 1))
-_PARALLEL_MIN = 2 << 20  # smaller batches are copied inline: a thread hand-off would cost more than it saves
-
-
 def _address(view: memoryview) -> int | None:
     """Address of a non-empty contiguous byte view, or None where Python has no safe way to it.
 
@@ -222,45 +213,6 @@ def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bo
         if soff == len(s):
             si, soff = si + 1, 0
     return 0 if h is None else h.intdigest()
-
-
-class _Workers:
-    """The process's copy threads (COPY_THREADS - 1; the calling thread is the last), made lazily."""
-
-    _lock = threading.Lock()
-    _pool: ThreadPoolExecutor | None = None
-    _pid = 0
-
-    @classmethod
-    def pool(cls) -> ThreadPoolExecutor:
-        with cls._lock:
-            if cls._pool is None or cls._pid != os.getpid():  # a forked child needs threads of its own
-                cls._pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvstore-shm-copy")
-                cls._pid = os.getpid()
-            return cls._pool
-
-
-def _run_all(jobs: Sequence[Callable[[], int]]) -> list[int]:
-    return [job() for job in jobs]
-
-
-def run_copies(jobs: Sequence[Callable[[], int]], nbytes: int) -> list[int]:
-    """Run copy jobs (each returns a checksum or 0) on COPY_THREADS threads; results in job order.
-
-    Returns only when every job has finished, even if one failed: no thread may
-    still write into a caller's buffer after the call is over.
-    """
-    threads = min(COPY_THREADS, len(jobs))
-    if threads < 2 or nbytes < _PARALLEL_MIN:
-        return _run_all(jobs)
-    groups = [jobs[k::threads] for k in range(threads)]  # interleaved: sizes balance
-    futures = [_Workers.pool().submit(_run_all, g) for g in groups[1:]]
-    try:
-        done = [_run_all(groups[0])]
-    finally:
-        wait(futures)
-    done += [f.result() for f in futures]
-    return [done[j % threads][j // threads] for j in range(len(jobs))]
 
 
 # --------------------------------------------------------------------------- operations
@@ -400,7 +352,7 @@ class ShmChannel:
             if dst is not None:
                 jobs.append(partial(copy_runs, [memoryview(dst)], src, True if verify and expected else None))
                 targets.append((i, dst, expected))
-        got = run_copies(jobs, sum(len(t[1]) for t in targets))
+        got = run_parallel(jobs, sum(len(t[1]) for t in targets))
         for (i, dst, expected), checksum in zip(targets, got):
             if verify and expected and checksum != expected:
                 outcome.errors[i] = IntegrityError(f"block with key {keys[i].hex()} failed its checksum")
@@ -460,7 +412,7 @@ class ShmChannel:
                 jobs.append(partial(copy_runs, dst, [views[i]], False))
                 index.append(i)
         sums = [0] * len(locs)
-        for i, checksum in zip(index, run_copies(jobs, sum(len(views[i]) for i in index))):
+        for i, checksum in zip(index, run_parallel(jobs, sum(len(views[i]) for i in index))):
             sums[i] = checksum
         return sums
 
@@ -537,5 +489,5 @@ async def measure_throughput(addr: str, *, block_size: int = 4 << 20, batch: int
     return {"put_gbps": total / best_put / 1e9, "get_gbps": total / best_get / 1e9, "shm": float(used_shm)}
 
 
-__all__ = ["CHUNK", "COPY_THREADS", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs",
-           "measure_throughput", "open_channel", "run_copies"]
+__all__ = ["CHUNK", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs", "measure_throughput",
+           "open_channel"]

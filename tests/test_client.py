@@ -126,3 +126,40 @@ async def test_a_put_that_continues_a_stored_prefix_is_evicted_before_that_prefi
                 assert await kv.exists(a + b) == [False] * 4 + [True] * 4
                 assert await kv.lookup(a + b) == 0  # B is stored but unreachable
             await kv.flush(ns)
+
+
+def test_helper_threads_share_a_big_batch_and_keep_job_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvstore.client import workers
+
+    monkeypatch.setattr(workers, "THREADS", 3)  # whatever this machine's CPU count
+
+    def job(i: int) -> Callable[[], tuple[int, str]]:
+        return lambda: (i, threading.current_thread().name)
+
+    big = workers.run_parallel([job(i) for i in range(10)], workers.PARALLEL_MIN)
+    assert [i for i, _ in big] == list(range(10))
+    names = {name for _, name in big}
+    assert threading.current_thread().name in names and any(n.startswith("kvstore-client") for n in names)
+    small = workers.run_parallel([job(i) for i in range(10)], workers.PARALLEL_MIN - 1)
+    assert {name for _, name in small} == {threading.current_thread().name}  # inline
+
+
+async def test_a_big_put_hashed_on_helper_threads_stores_each_blocks_own_checksum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import xxhash
+
+    from kvstore.client import aio, workers
+
+    monkeypatch.setattr(workers, "THREADS", 3)
+    monkeypatch.setattr(aio, "THREADS", 3)
+    blocks = [os.urandom(256 << 10) for _ in range(12)]  # 3 MiB: over PARALLEL_MIN
+    views = [memoryview(b) for b in blocks]
+    assert aio.checksums(views) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    with ServerProcess("--capacity", "32MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t") as kv:  # verify=True: a misplaced checksum fails the get
+            keys = make_keys("big", len(blocks))
+            await kv.put(keys, blocks)
+            assert [bytes(b) for b in await kv.get(keys)] == blocks

@@ -1,0 +1,68 @@
+"""The client's helper threads: a batch's block copies and checksums, run in parallel.
+
+``memmove`` (through ctypes) and python-xxhash release the GIL on large
+buffers, so a few threads copy or hash a batch's blocks at once while the
+event-loop thread waits for them. Measured here: 32 x 4 MiB copied out of a
+memfd mapping at ~8 GB/s on one core and 10-15 GB/s on two; hashed at 17-20
+GB/s on one thread and 24-26 on two. A TCP put hashes its blocks before the
+first byte leaves, while the server, waiting for them, leaves its core idle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+#: Threads working on one batch, the calling thread included: ``min(4, CPUs)``.
+#: ``KVSTORE_CLIENT_THREADS`` overrides it (1: everything inline); the older
+#: name ``KVSTORE_SHM_COPY_THREADS`` still works.
+THREADS = max(1, int(os.environ.get("KVSTORE_CLIENT_THREADS") or os.environ.get("KVSTORE_SHM_COPY_THREADS") or 0)
+              or min(4, os.cpu_count() or 1))
+#: Batches smaller than this run inline: a thread hand-off would cost more than it saves.
+PARALLEL_MIN = 2 << 20
+
+
+class _Pool:
+    """The process's helper threads (THREADS - 1; the calling thread is the last), made lazily."""
+
+    _lock = threading.Lock()
+    _pool: ThreadPoolExecutor | None = None
+    _pid = 0
+
+    @classmethod
+    def get(cls) -> ThreadPoolExecutor:
+        with cls._lock:
+            if cls._pool is None or cls._pid != os.getpid():  # a forked child needs threads of its own
+                cls._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-client")
+                cls._pid = os.getpid()
+            return cls._pool
+
+
+def _run_all(jobs: Sequence[Callable[[], T]]) -> list[T]:
+    return [job() for job in jobs]
+
+
+def run_parallel(jobs: Sequence[Callable[[], T]], nbytes: int) -> list[T]:
+    """Run a batch's jobs (``nbytes`` of blocks in all) on THREADS threads; results in job order.
+
+    Returns only when every job has finished, even if one failed: no thread may
+    still touch a caller's buffer after the call is over.
+    """
+    threads = min(THREADS, len(jobs))
+    if threads < 2 or nbytes < PARALLEL_MIN:
+        return _run_all(jobs)
+    groups = [jobs[k::threads] for k in range(threads)]  # interleaved: sizes balance
+    futures = [_Pool.get().submit(_run_all, g) for g in groups[1:]]
+    try:
+        done = [_run_all(groups[0])]
+    finally:
+        wait(futures)
+    done += [f.result() for f in futures]
+    return [done[j % threads][j // threads] for j in range(len(jobs))]
+
+
+__all__ = ["PARALLEL_MIN", "THREADS", "run_parallel"]
