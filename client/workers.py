@@ -17,11 +17,17 @@ from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
-#: Threads working on one batch, the calling thread included: ``min(4, CPUs)``.
-#: ``KVSTORE_CLIENT_THREADS`` overrides it (1: everything inline); the older
-#: name ``KVSTORE_SHM_COPY_THREADS`` still works.
-THREADS = max(1, int(os.environ.get("KVSTORE_CLIENT_THREADS") or os.environ.get("KVSTORE_SHM_COPY_THREADS") or 0)
-              or min(4, os.cpu_count() or 1))
+def _threads() -> int:
+    setting = (os.environ.get("KVSTORE_CLIENT_THREADS") or os.environ.get("KVSTORE_SHM_COPY_THREADS") or "0").strip()
+    if not setting.isdigit():
+        raise ValueError(f"KVSTORE_CLIENT_THREADS must be a whole number of threads, got {setting!r}")
+    return int(setting) or min(4, os.cpu_count() or 1)
+
+
+#: Threads working on one batch, the calling thread included: ``KVSTORE_CLIENT_THREADS``
+#: (1: everything inline; unset or 0: ``min(4, CPUs)``; the older name
+#: ``KVSTORE_SHM_COPY_THREADS`` still works).
+THREADS = _threads()
 #: Batches smaller than this run inline: a thread hand-off would cost more than it saves.
 PARALLEL_MIN = 2 << 20
 
