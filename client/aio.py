@@ -31,7 +31,7 @@ from kvstore.protocol import (
 from .connection import ClientConnection, Response, open_connection
 from .shm import GetOutcome, ShmChannel, open_channel
 from .sharding import Ring
-from .workers import PARALLEL_MIN, THREADS, run_parallel
+from .workers import run_parallel
 
 T = TypeVar("T")
 
@@ -42,13 +42,10 @@ def checksum(block: memoryview) -> int:
 
 
 def checksums(blocks: Sequence[memoryview]) -> list[int]:
-    """Each block's checksum; a batch of ``PARALLEL_MIN`` bytes or more is hashed on the
+    """Each block's checksum; a batch of ``workers.PARALLEL_MIN`` bytes or more is hashed on the
     helper threads too: a put's server waits for them with its core idle (puts of 1-4 MiB
     x 32 into a full store, A/B runs against hashing inline: 0.96-1.08x, median 1.03-1.06x)."""
-    nbytes = sum(map(len, blocks))
-    if nbytes < PARALLEL_MIN or THREADS < 2:
-        return [xxhash.xxh3_64_intdigest(b) for b in blocks]
-    return run_parallel([partial(xxhash.xxh3_64_intdigest, b) for b in blocks], nbytes)
+    return run_parallel([partial(xxhash.xxh3_64_intdigest, b) for b in blocks], sum(map(len, blocks)))
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,6 @@ async def test_a_big_put_hashed_on_helper_threads_stores_each_blocks_own_checksu
     from kvstore.client import aio, workers
 
     monkeypatch.setattr(workers, "THREADS", 3)
-    monkeypatch.setattr(aio, "THREADS", 3)
     blocks = [os.urandom(256 << 10) for _ in range(12)]  # 3 MiB: over PARALLEL_MIN
     views = [memoryview(b) for b in blocks]
     assert aio.checksums(views) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
