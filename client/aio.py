@@ -366,6 +366,8 @@ class AsyncKVClient:
         views = iter_payload(blocks)
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
+        if not keys:
+            return PutResult(0, 0, 0, [])
 
         async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
@@ -450,9 +452,7 @@ class AsyncKVClient:
                 return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
             resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin),
                                    make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
-            if resp.sink is None:  # no block present: no payload, no sink
-                return _GetSink(resp.fields, len(idx), bufs)
-            assert isinstance(resp.sink, _GetSink)
+            assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)
             resp.sink.finish()
             return resp.sink
 

@@ -28,7 +28,6 @@ class _Pending:
     make_sink: SinkFactory | None
     fields: dict[str, Any] | None = None
     sink: PayloadSink | None = None
-    receiving: bool = False
 
 
 @dataclass
@@ -107,14 +106,13 @@ class ClientConnection(asyncio.BufferedProtocol):
             return
         assert isinstance(msg, Reply)
         p.fields = msg.fields
-        if frame.payload_len:
-            if p.make_sink is None:
-                raise ProtocolError("unexpected payload in reply")
+        if p.make_sink is not None:  # also without a payload: the sink sees the empty blocks
             p.sink = p.make_sink(msg.fields)
-            p.receiving = True
             self.reader.set_sink(p.sink)
-        else:
+        if not frame.payload_len:
             self._on_done(frame.request_id)
+        elif p.sink is None:
+            raise ProtocolError("unexpected payload in reply")
 
     def _on_done(self, rid: int) -> None:
         p = self.pending.pop(rid)

@@ -161,9 +161,8 @@ class Connection(asyncio.BufferedProtocol):
             if isinstance(msg, Put):
                 self.put_sink = self.service.begin_put(self.session, msg)
                 self.put_rid, self.put_t0 = frame.request_id, t0
-                if frame.payload_len:
-                    self.reader.set_sink(self.put_sink)
-                else:
+                self.reader.set_sink(self.put_sink)  # (it sees empty blocks at once: they are stored too)
+                if not frame.payload_len:
                     self._finish_put()
                 return
             self._dispatch(frame.request_id, name, msg, t0)

@@ -82,6 +82,23 @@ async def test_prefix_lookup_gaps_empty_and_full_chain(server) -> None:
         assert await kv.unpin(chain) == 0
 
 
+async def test_empty_blocks_are_stored_and_read_back_alone_or_with_others(server) -> None:
+    alone, mixed = [key(i, "empty") for i in range(2)], [key(i, "mixed") for i in range(3)]
+    async with AsyncKVClient(server.addr, namespace="e") as kv:
+        assert (await kv.put([], [])).statuses == []
+        # A PUT of empty blocks only has no payload at all; each block is stored all the same.
+        assert (await kv.put(alone, [b"", b""])).stored == 2
+        assert await kv.exists(alone) == [True, True]
+        assert await kv.lookup(alone) == 2
+        assert [bytes(b) for b in await kv.get(alone)] == [b"", b""]  # a GET reply without payload
+        assert await kv.get_into(alone, [bytearray(), bytearray()]) == [True, True]
+        assert (await kv.put(mixed, [b"", b"ab", b""])).stored == 3
+        got = await kv.get(mixed + alone)
+        assert [None if g is None else bytes(g) for g in got] == [b"", b"ab", b"", b"", b""]
+        assert (await kv.put(alone, [b"", b""])).existed == 2
+        assert await kv.delete(alone) == 2
+
+
 async def test_namespaces_are_isolated(server) -> None:
     k = key(1, "ns")
     async with AsyncKVClient(server.addr, namespace="model-a") as a, \
