@@ -60,9 +60,7 @@ class Server:
         if len(self.connections) >= self.config.max_connections:
             self.service.counters.connections_rejected += 1
             return RejectedConnection(self.config.max_connections)
-        conn = Connection(self.service, self.limits, self.connections.discard)
-        self.connections.add(conn)
-        return conn
+        return Connection(self.service, self.limits, self.connections)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,6 +128,8 @@ class Server:
             await asyncio.sleep(1.0)
             self.store.expire_leases()
             self.service.shm.expire()  # read pins of a client that hangs mid-copy
+            for conn in list(self.connections):
+                conn.release_sent()  # replies read by a client that sends nothing more
             if self.tier is not None:
                 await self.tier.check_health()  # notices outages and recoveries (with back-off)
 

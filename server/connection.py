@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections import deque
 import logging
 import socket
 import time
@@ -38,7 +39,7 @@ _OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "g
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, service: Service, limits: Limits, on_close: Callable[[Connection], None]) -> None:
+    def __init__(self, service: Service, limits: Limits, registry: set[Connection]) -> None:
         self.service = service
         self.reader = FrameReader(limits, is_server=True)
         self.session = service.new_session()
@@ -48,11 +49,13 @@ class Connection(asyncio.BufferedProtocol):
             Delete: svc.delete, Unpin: svc.unpin, Stats: svc.stats, Flush: svc.flush,
             ShmGet: svc.shm.get, ShmPut: svc.shm.put, ShmCommit: svc.shm.commit, ShmRelease: svc.shm.release,
         }
-        self.on_close = on_close
+        self.registry = registry  # the server's live connections: joined once the transport is up (after TLS)
         self.transport: asyncio.Transport | None = None
         self.put_sink: PutSink | None = None
         self.put_rid = 0
-        self.unsent_refs: list[BlockRef] = []  # blocks in the transport's buffer, pinned until written
+        # Replies' pins until the kernel has their bytes: (bytes written up to the reply's end, its pins).
+        self.unsent: deque[tuple[int, list[BlockRef]]] = deque()
+        self.written = 0  # bytes handed to the transport
         self.output_pending = False
         self.reading_paused = False
         self.closing = False
@@ -71,6 +74,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
+        self.registry.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -88,11 +92,11 @@ class Connection(asyncio.BufferedProtocol):
         if self.put_sink is not None:
             self.put_sink.abort()
             self.put_sink = None
-        self._release_unsent()
+        self.release_sent(everything=True)
         self.service.shm.end_session(self.session)  # drop its read pins, abort its unfinished shm puts
         self.service.counters.connections -= 1
         self.idle.set()
-        self.on_close(self)
+        self.registry.discard(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer()
@@ -101,6 +105,8 @@ class Connection(asyncio.BufferedProtocol):
         self.reader.buffer_updated(nbytes)
         self.service.counters.bytes_in += nbytes
         self.received += nbytes
+        if self.unsent:  # a client reading replies while it sends requests: unpin what it has read
+            self.release_sent()
         self._process()
 
     def eof_received(self) -> bool:
@@ -113,7 +119,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.output_pending = False
-        self._release_unsent()
+        self.release_sent(everything=True)
         if self.reading_paused:
             self.reading_paused = False
             if self.transport is not None and not self.closing:
@@ -225,12 +231,13 @@ class Connection(asyncio.BufferedProtocol):
                 self.service.release(refs)
             return
         transport.writelines(buffers)
-        self.service.counters.bytes_out += sum(map(len, buffers))
+        n = sum(map(len, buffers))
+        self.written += n
+        self.service.counters.bytes_out += n
         if refs:
-            if transport.get_write_buffer_size():
-                self.unsent_refs.extend(refs)  # still referenced by the transport
-            else:
-                self.service.release(refs)
+            self.unsent.append((self.written, refs))  # the transport still references the blocks
+        if self.unsent:
+            self.release_sent()
         if self.output_pending and transport.get_write_buffer_size() > self.service.config.max_pending_out:
             self._pause_reading()  # pause_writing() fired once, at the first unsent byte: re-check on every reply
 
@@ -262,10 +269,17 @@ class Connection(asyncio.BufferedProtocol):
             self.reading_paused = True
             self.transport.pause_reading()
 
-    def _release_unsent(self) -> None:
-        if self.unsent_refs:
-            refs, self.unsent_refs = self.unsent_refs, []
-            self.service.release(refs)
+    def release_sent(self, everything: bool = False) -> None:
+        """Unpin the blocks of replies the transport has handed to the kernel (all: it holds none).
+
+        Called on every write and read, and once a second by the server for a client
+        that reads without sending.
+        """
+        unsent = self.unsent
+        sent = self.written if everything or self.transport is None else (
+            self.written - self.transport.get_write_buffer_size())
+        while unsent and unsent[0][0] <= sent:
+            self.service.release(unsent.popleft()[1])
 
     def _update_idle(self) -> None:
         busy = (self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)

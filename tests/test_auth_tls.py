@@ -131,6 +131,18 @@ async def test_tls_round_trip_and_clean_failures(make_server, tls_files: dict[st
     assert time.monotonic() - t0 < 4
 
 
+async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server, tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "8MiB", "--max-connections", "2", "--tls-cert", str(tls_files["cert"]),
+                      "--tls-key", str(tls_files["key"]))
+    for _ in range(4):  # plaintext clients: their handshakes fail, the server closes them
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(frames(Ping()))
+            read_all(s)
+    async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), retries=0) as kv:
+        await kv.ping()  # (was: "server is at its limit of 2 connections")
+        assert (await kv.stats())["connections"] == 1
+
+
 async def test_tls_client_against_plaintext_server_fails_cleanly(server, tls_files: dict[str, Path]) -> None:
     t0 = time.monotonic()
     with pytest.raises(TransportError):

@@ -156,6 +156,42 @@ async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_se
     assert limited <= 8  # the server stops reading, and stops parsing what it already read
 
 
+def read_frame(sock: socket.socket) -> int:
+    """Read one whole reply frame; its payload length."""
+    def exactly(n: int) -> None:
+        while n:
+            n -= len(sock.recv(min(n, 1 << 20)))
+    head = b""
+    while len(head) < HEADER.size:
+        head += sock.recv(HEADER.size - len(head))
+    *_, meta_len, payload_len = HEADER.unpack(head)
+    exactly(meta_len + payload_len)
+    return payload_len
+
+
+async def test_a_client_that_keeps_reading_keeps_only_unread_replies_pinned(make_server) -> None:
+    srv = make_server("--capacity", "64MiB")
+    keys = [key(i, "pipelined") for i in range(12)]
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put(keys, [bytes(4 << 20)] * 12)
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            def get(i: int) -> None:
+                sock.sendall(b"".join(bytes(b) for b in encode(Get(keys=[keys[i % 12]]), i + 1)))
+
+            depth, pinned = 6, []  # 24 MiB asked for at any time: more than the socket buffers hold
+            for i in range(depth):
+                get(i)
+            for i in range(depth, depth + 36):
+                assert await asyncio.to_thread(read_frame, sock) == 4 << 20
+                await asyncio.sleep(0.01)  # a reader a little slower than the server: its replies queue up
+                get(i)
+                pinned.append((await kv.stats())["store"]["pinned_blocks"])
+            for _ in range(depth):
+                await asyncio.to_thread(read_frame, sock)
+    # Pins were released only when the server's output buffer ran dry: every block read stayed pinned.
+    assert max(pinned) <= depth + 1, pinned
+
+
 # ---------------------------------------------------------------- fuzz
 
 
