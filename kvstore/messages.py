@@ -84,6 +84,12 @@ def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 
             raise InvalidRequest(f"{name} holds {v!r}, not an integer in {lo}..{hi}")
 
 
+def _check_sizes(sizes: Any, n: int, limits: Limits) -> None:
+    _check_ints("sizes", sizes, n)
+    if n and max(sizes) > limits.max_block:
+        raise TooLarge(f"a block of {max(sizes)} bytes is over the limit of {limits.max_block} bytes")
+
+
 def _check_parent(parent: Any) -> None:
     if parent is not None:
         check_key(parent)
@@ -147,7 +153,7 @@ class Put(Message):
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
         _check_parent(self.parent)
-        _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
+        _check_sizes(self.sizes, len(self.keys), limits)
         if self.checksums:
             _check_ints("checksums", self.checksums, len(self.keys))
         if sum(self.sizes) != payload_len:
@@ -259,7 +265,7 @@ class ShmPut(Message):
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
         _check_parent(self.parent)
-        _check_ints("sizes", self.sizes, len(self.keys), hi=limits.max_block)
+        _check_sizes(self.sizes, len(self.keys), limits)
         _no_payload(self, payload_len)
 
 

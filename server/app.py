@@ -29,7 +29,8 @@ def _make_store(config: ServerConfig) -> BlockStore:
     """The block store; its arena is a shareable memfd when shm will be offered on a Unix socket."""
     def make(shared: bool) -> BlockStore:
         return BlockStore(config.capacity, eviction=config.eviction, page_size=config.page_size,
-                          lease_s=config.lease_seconds, prefault=config.prefault, shared_arena=shared)
+                          lease_s=config.lease_seconds, prefault=config.prefault, shared_arena=shared,
+                          max_block_size=config.max_block)
 
     if not (config.unix and config.shm):
         return make(False)
