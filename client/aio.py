@@ -192,6 +192,8 @@ class _Node:
         self._lock = asyncio.Lock()
 
     async def connection(self) -> ClientConnection:
+        if self.client.closed:  # (a request in flight while the client closed must not reconnect)
+            raise TransportError("the client is closed")
         for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
             if not conn.pending and not conn.closed:
                 return conn
@@ -225,7 +227,7 @@ class _Node:
             except RequestTimeout:
                 raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
             except TransportError:
-                if attempt == attempts - 1:
+                if attempt == attempts - 1 or c.closed:
                     raise
                 await asyncio.sleep(c.backoff * 2**attempt)
         raise AssertionError("unreachable")
@@ -287,6 +289,7 @@ class AsyncKVClient:
         self.split_bytes = split_bytes
         self._block_bytes = 0  # average block size of the last get: how big an unsized read is
         self.nodes = [_Node(a, self) for a in addrs]
+        self.closed = False  # by close(), until connect()
         self.ring = Ring([n.addr for n in self.nodes])
 
     async def __aenter__(self) -> AsyncKVClient:
@@ -298,9 +301,12 @@ class AsyncKVClient:
 
     async def connect(self) -> None:
         """Open one connection per server now (fails fast on a wrong address or token)."""
+        self.closed = False
         await asyncio.gather(*(n.connection() for n in self.nodes))
 
     async def close(self) -> None:
+        """Close every connection; later calls raise ``TransportError`` until :meth:`connect`."""
+        self.closed = True
         await asyncio.gather(*(n.close() for n in self.nodes))
 
     # -- sharding helpers
@@ -344,8 +350,13 @@ class AsyncKVClient:
         if len(groups) == 1:  # one server: no gather, no task (each costs loop iterations per request)
             node, idx = groups[0]
             return [(idx, await fn(node, idx))]
-        results = await asyncio.gather(*(fn(node, idx) for node, idx in groups))
-        return [(idx, r) for (_, idx), r in zip(groups, results)]
+        # Every part settles before any error is raised: a part still running could write into the
+        # caller's buffers (or read its blocks) after the call returned.
+        results = await asyncio.gather(*(fn(node, idx) for node, idx in groups), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [(idx, r) for (_, idx), r in zip(groups, results)]  # type: ignore[misc]
 
     # -- the API
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> PutResult:
@@ -408,16 +419,21 @@ class AsyncKVClient:
             return 0
 
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            resp = await node.call(Lookup(keys=_pick(keys, idx), pin=pin, lease_ms=lease_ms))
+            resp = await node.call(Lookup(keys=_pick(keys, idx), pin=pin, lease_ms=lease_ms), idempotent=not pin)
             n = resp.fields.get("n")
             if type(n) is not int or not 0 <= n <= len(idx):
                 raise ProtocolError("malformed LOOKUP reply")
             return n
 
         first_missing = len(keys)
-        for idx, n in await self._per_node(keys, one):
+        shares = await self._per_node(keys, one)
+        for idx, n in shares:
             if n < len(idx):
                 first_missing = min(first_missing, idx[n])
+        if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
+            beyond = [(node, [keys[i] for i in idx[:n] if i >= first_missing])
+                      for (node, _), (idx, n) in zip(self._groups(keys), shares)]
+            await asyncio.gather(*(node.call(Unpin(keys=extra), idempotent=False) for node, extra in beyond if extra))
         return first_missing
 
     async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
@@ -433,7 +449,10 @@ class AsyncKVClient:
         """
         views = []
         for i, b in enumerate(buffers):
-            mv = memoryview(b)
+            try:
+                mv = memoryview(b)
+            except TypeError:
+                raise BlockSizeError(f"buffer {i} is a {type(b).__name__}, not a writable buffer") from None
             if mv.readonly or not mv.c_contiguous:
                 raise BlockSizeError(f"buffer {i} is not a writable contiguous buffer")
             views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
@@ -450,7 +469,7 @@ class AsyncKVClient:
             bufs = _pick(buffers, idx) if buffers is not None else None
             if node.shm is not None:  # same host: copied out of the arena, verified on the way
                 return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
-            resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin),
+            resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin), idempotent=not unpin,
                                    make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
             assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)
             resp.sink.finish()

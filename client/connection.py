@@ -16,7 +16,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
-from kvstore.errors import KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
+from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
 
 SinkFactory = Callable[[dict[str, Any]], PayloadSink]
@@ -178,9 +178,13 @@ class ClientConnection(asyncio.BufferedProtocol):
         if self.closed or self.transport is None or self.transport.is_closing():
             raise self.close_reason or TransportError("connection is closed")
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        try:
+            frame = encode(msg, rid, payload, payload_len)
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
+            raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending[rid] = _Pending(fut, make_sink)
-        self.transport.writelines(encode(msg, rid, payload, payload_len))
+        self.transport.writelines(frame)
         return fut
 
     def _time_out(self, fut: asyncio.Future[Any], timeout: float) -> None:

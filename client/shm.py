@@ -271,14 +271,16 @@ class ShmChannel:
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 
-    async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]]) -> T:
-        """Run ``op`` on one pooled connection (handles are per connection); retry on transport errors.
+    async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]], retry: bool = True) -> T:
+        """Run ``op`` on one pooled connection (handles are per connection); retry on transport
+        errors unless told not to (an op that must not run twice).
 
         A new connection may find a restarted server: the node then holds a
         channel on the new arena (used from the next attempt on), or none.
         """
         c = self.client
-        for attempt in range(1 + c.retries):
+        retries = c.retries if retry else 0
+        for attempt in range(1 + retries):
             conn = await self.node.connection()
             channel = self.node.shm
             if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
@@ -291,7 +293,7 @@ class ShmChannel:
             except RequestTimeout:
                 raise  # like every other call: a timeout is not retried
             except TransportError:
-                if attempt == c.retries:
+                if attempt == retries or c.closed:
                     raise
                 await asyncio.sleep(c.backoff * 2**attempt)
         raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
@@ -299,7 +301,7 @@ class ShmChannel:
     # -- get
     async def get(self, keys: list[bytes], buffers: list[memoryview] | None, unpin: bool, verify: bool) -> GetOutcome:
         """Blocks of ``keys`` (one server's share): copied out of the arena, verified, pins released."""
-        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify))
+        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify), retry=not unpin)
 
     async def _get(self, conn: ClientConnection, keys: list[bytes], buffers: list[memoryview] | None,
                    unpin: bool, verify: bool) -> GetOutcome:

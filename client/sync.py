@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Coroutine, Sequence, TypeVar
 
+from kvstore.errors import TransportError
+
 from .aio import AsyncKVClient, PutResult
 
 T = TypeVar("T")
@@ -42,6 +44,9 @@ class _LoopThread:
             return cls._instance
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if os.getpid() != self.pid:  # forked: the loop thread (and the connections) stayed in the parent
+            coro.close()
+            raise TransportError("this KVClient was made in the parent of a fork; make a new one in this process")
         fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result()

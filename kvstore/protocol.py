@@ -392,7 +392,11 @@ def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
     arrays, anything exporting a C-contiguous buffer), without copying."""
     views = []
     for b in blocks:
-        mv = memoryview(b)
+        try:
+            mv = memoryview(b)
+        except TypeError:
+            raise InvalidRequest(f"a block must be bytes-like, not {type(b).__name__} (tensors: kvstore.engine."
+                                 "transfer.PagedKVTransfer, or a CPU tensor's .view(torch.uint8).numpy())") from None
         if not mv.c_contiguous:
             raise InvalidRequest("a block must be a C-contiguous buffer")
         views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)

@@ -3,6 +3,7 @@ the pool's connections, request timeouts, and requests posted without waiting fo
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -12,8 +13,8 @@ from typing import Callable
 import pytest
 
 from kvstore.bench.common import make_keys
-from kvstore.client import AsyncKVClient
-from kvstore.errors import InvalidRequest, RequestTimeout
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import BlockSizeError, InvalidRequest, RequestTimeout, TooLarge, TransportError
 from kvstore.protocol import Ping, Unpin
 from kvstore.server.process import ServerProcess
 
@@ -101,6 +102,99 @@ async def test_bytes_like_keys_are_sent_as_bytes_and_bad_keys_are_refused_before
                 with pytest.raises(InvalidRequest, match="block key must be"):
                     await kv.lookup(bad)  # type: ignore[arg-type]
             assert "lookup" not in (await kv.stats())["requests"]  # refused before the wire
+
+
+async def test_a_read_over_two_servers_returns_only_once_every_part_has_settled() -> None:
+    """One server refuses its share at once (a batch over its limit); the other is stopped. The
+    call must not raise until the stopped server's part has landed: it writes into the buffers."""
+    with ServerProcess("--capacity", "16MiB") as slow, ServerProcess("--capacity", "16MiB", "--max-batch", "1") as fast:
+        async with AsyncKVClient([slow.addr, fast.addr], namespace="t") as kv:
+            on = {addr: [k for k in make_keys("both", 40) if kv.ring.nodes[kv.ring.node_of(k)] == addr]
+                  for addr in (slow.addr, fast.addr)}
+            keys = on[slow.addr][:3] + on[fast.addr][:3]
+            await kv.put(keys[:3], [b"\x01" * 1000] * 3)
+            bufs = [bytearray(1000) for _ in keys]
+            assert slow.proc is not None
+            os.kill(slow.proc.pid, signal.SIGSTOP)
+            try:
+                call = asyncio.ensure_future(kv.get_into(keys, bufs))
+                await asyncio.sleep(0.3)  # the fast server's refusal is in by now
+                assert not call.done()  # (it raised here, and the stopped server's reply landed later)
+            finally:
+                os.kill(slow.proc.pid, signal.SIGCONT)
+            with pytest.raises(TooLarge):
+                await call
+            assert bufs[:3] == [b"\x01" * 1000] * 3  # landed before the call raised
+
+
+async def test_requests_that_must_not_run_twice_are_not_retried() -> None:
+    """A connection lost after a request was sent: a plain lookup is asked again; one that pins,
+    or a get that unpins, raises instead (the server may have run it: leases would double)."""
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            keys = make_keys("once", 3)
+            await kv.put(keys, [b"x"] * 3)
+            for call, retried in ((lambda: kv.lookup(keys), True), (lambda: kv.lookup(keys, pin=True), False),
+                                  (lambda: kv.get(keys, unpin=True), False), (lambda: kv.get(keys), True)):
+                conn = await kv.nodes[0].connection()  # the one connection the call will use
+                task = asyncio.ensure_future(call())
+                await asyncio.sleep(0)  # the request is on the wire
+                assert conn.in_flight == 1
+                conn.abort(TransportError("connection lost"))
+                if retried:
+                    assert await task
+                else:
+                    with pytest.raises(TransportError):
+                        await task
+
+
+async def test_a_closed_client_stays_closed_until_connect() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv:
+        kv = AsyncKVClient(srv.addr, namespace="t")
+        await kv.connect()
+        await kv.put(make_keys("c", 1), [b"x"])
+        await kv.close()
+        with pytest.raises(TransportError, match="closed"):
+            await kv.exists(make_keys("c", 1))
+        assert kv.nodes[0].conns == []  # nothing reopened
+        await kv.connect()
+        assert await kv.exists(make_keys("c", 1)) == [True]
+        await kv.close()
+
+
+def test_a_blocking_client_used_after_fork_raises_in_the_child() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="t") as kv:
+        kv.put(make_keys("f", 1), [b"x"])
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the client has no loop thread behind it
+            signal.alarm(10)  # (it used to wait forever)
+            try:
+                kv.exists(make_keys("f", 1))
+                code = 1
+            except TransportError:
+                code = 0
+            except BaseException:
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert kv.exists(make_keys("f", 1)) == [True]  # the parent's client is fine
+
+
+async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending() -> None:
+    torch = pytest.importorskip("torch")
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            k = make_keys("typed", 1)
+            with pytest.raises(InvalidRequest, match="bytes-like"):
+                await kv.put(k, [torch.zeros(4)])
+            await kv.put(k, [torch.zeros(4).view(torch.uint8).numpy()])  # the way the message names
+            with pytest.raises(BlockSizeError, match="not a writable buffer"):
+                await kv.get_into(k, [torch.zeros(4)])
+            with pytest.raises(InvalidRequest, match="encode"):
+                await kv.lookup(k, pin=True, lease_ms=2**70)
+            assert kv.nodes[0].conns[0].in_flight == 0
+            assert await kv.lookup(k) == 1
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -59,6 +59,9 @@ async def test_a_chain_spread_over_three_servers(make_server) -> None:
         assert got[gap] is None and payloads(got[:gap]) == data[:gap]
         assert await kv.exists(keys[gap - 1:gap + 2]) == [True, False, True]
         assert await kv.lookup(keys, pin=True) == gap
+        leases = sum(s["store"]["leases"] for s in (await kv.stats())["servers"].values())
+        assert leases == gap  # each server pinned its share's own prefix; those past the gap were dropped
+        assert await kv.unpin(keys[:gap]) == gap
         assert await kv.delete(keys) == 29
         assert await kv.lookup(keys) == 0
 
