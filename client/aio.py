@@ -251,7 +251,8 @@ class AsyncKVClient:
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
         pool_size: connections per server.
         timeout: seconds a request may take before ``RequestTimeout``.
-        retries: retries of idempotent requests after a transport error.
+        retries: retries of a request after a transport error (never of a pinning lookup,
+            an unpinning get or an unpin: the server may have run them already).
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).
         shm: map the server's block arena and copy payloads through it (``docs/shm.md``):
             ``None`` (default) when connected over the Unix socket, ``True`` also from a
