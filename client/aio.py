@@ -61,8 +61,8 @@ class PutResult:
 
 def _parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidRequest(f"address must be 'host:port', got {addr!r}")
+    if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

@@ -2,8 +2,9 @@
 
 Every connection option is also a ``KVSTORE_*`` environment variable; flags
 win. Exit codes: 0 success, 1 a failure (unreachable server, refused token,
-missing key, ``exists`` with a key absent), 2 a usage error (bad flag, bad hex
-key), 130 interrupted. Errors are one line on stderr, never a traceback.
+missing key, ``exists`` with a key absent), 2 a usage error (bad flag or
+``KVSTORE_*`` value, bad hex key, bad address), 130 interrupted. Errors are one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -35,9 +36,32 @@ class UsageError(Exception):
 # ----------------------------------------------------------------------------- arguments
 
 
-def _env(name: str, default: Any = None) -> Any:
+def _env(name: str, default: Any = None, convert: Callable[[str], Any] | None = None) -> Any:
+    """``KVSTORE_<NAME>``, through ``convert`` as the flag's value would be (argparse checks only the command line)."""
     raw = os.environ.get(ENV + name)
-    return default if raw is None or raw == "" else raw
+    if raw is None or raw == "":
+        return default
+    try:
+        return convert(raw) if convert else raw
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise UsageError(f"bad {ENV}{name}={raw!r}: {exc}") from None
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
+    return value
+
+
+def _bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off``."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
 def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -56,13 +80,13 @@ def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="namespace to work in [KVSTORE_NAMESPACE, default 'default']")
     g.add_argument("--token-file", default=default(_env("TOKEN_FILE")),
                    help="file holding the token (first non-comment line) [KVSTORE_TOKEN_FILE]")
-    g.add_argument("--tls", action="store_true", default=default(_env("TLS", "") not in ("", "0", "false", "no")),
+    g.add_argument("--tls", action="store_true", default=default(_env("TLS", False, _bool)),
                    help="connect with TLS, verifying against the system CAs [KVSTORE_TLS=1]")
     g.add_argument("--tls-ca", default=default(_env("TLS_CA")),
                    help="verify the server against this CA bundle (implies --tls) [KVSTORE_TLS_CA]")
     g.add_argument("--tls-server-name", default=default(_env("TLS_SERVER_NAME")),
                    help="name to verify in the server's certificate [KVSTORE_TLS_SERVER_NAME]")
-    g.add_argument("--timeout", type=float, default=default(float(_env("TIMEOUT", "10"))),
+    g.add_argument("--timeout", type=_seconds, default=default(_env("TIMEOUT", 10.0, _seconds)),
                    help="seconds to wait for a connection or a reply [KVSTORE_TIMEOUT, default 10]")
 
 
@@ -120,7 +144,11 @@ def read_token(path: str | None) -> str | None:
     """The first line of a token file that is neither blank nor a ``#`` comment."""
     if not path:
         return None
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a text file of tokens (not UTF-8)") from None
+    for line in text.splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             return line.strip()
     raise UsageError(f"{path} holds no token")
@@ -128,12 +156,13 @@ def read_token(path: str | None) -> str | None:
 
 def make_client(args: argparse.Namespace) -> AsyncKVClient:
     tls: Any = args.tls_ca or (True if args.tls else None)
-    unix = args.addr.startswith("unix:") and len(args.addr) > len("unix:")
-    if not unix and (":" not in args.addr or not args.addr.rpartition(":")[2].isdigit()):
-        raise UsageError(f"--addr must be HOST:PORT or unix:/path/to.sock, not {args.addr!r}")
-    return AsyncKVClient(args.addr, namespace=args.namespace, token=read_token(args.token_file), tls=tls,
-                         pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
-                         server_hostname=args.tls_server_name)
+    token = read_token(args.token_file)
+    try:
+        return AsyncKVClient(args.addr, namespace=args.namespace, token=token, tls=tls,
+                             pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
+                             server_hostname=args.tls_server_name)
+    except InvalidRequest:  # the address (the library checks it)
+        raise UsageError(f"--addr must be HOST:PORT or unix:/path/to.sock, not {args.addr!r}") from None
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -329,8 +358,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # a bad KVSTORE_* value: UsageError
         if args.command in ("get", "put", "exists", "delete"):  # fail on a bad key before connecting
             for k in getattr(args, "keys", None) or [args.key]:
                 parse_key(k)

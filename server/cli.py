@@ -21,14 +21,20 @@ from .logs import setup_logging
 ENV_PREFIX = "KVSTORE_"
 
 
-def _env_default(dest: str, default: Any, convert: Callable[[str], Any]) -> Any:
-    raw = os.environ.get(ENV_PREFIX + dest.upper())
+def _env_default(p: argparse.ArgumentParser, dest: str, default: Any, convert: Callable[[str], Any],
+                 choices: Sequence[Any] | None = None) -> Any:
+    """The flag's default from ``KVSTORE_<DEST>``, checked as the flag is (argparse checks only the command line)."""
+    name = ENV_PREFIX + dest.upper()
+    raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return convert(raw)
+        value = convert(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"kvstore-server: bad {ENV_PREFIX}{dest.upper()}={raw!r}: {exc}") from None
+        p.error(f"bad {name}={raw!r}: {exc}")
+    if choices is not None and value not in choices:
+        p.error(f"bad {name}={raw!r}: invalid choice (choose from {', '.join(map(repr, choices))})")
+    return value
 
 
 def _size(text: str) -> int:
@@ -38,14 +44,32 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:  # --port 99999 used to start a server, listening on some other port
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
+    return port
+
+
 def _optional_port(text: str) -> int | None:
     """A TCP port, or None for ``off``/empty (the listener is not started)."""
     if text.strip().lower() in ("", "off", "none"):
         return None
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
-    return port
+    return _port(text)
+
+
+def _count(text: str) -> int:
+    """An integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not an integer >= 0: {text!r}")
+    return value
+
+
+def _policy(text: str) -> str:
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown eviction policy {text!r}; choose one of {', '.join(POLICIES)}")
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -75,24 +99,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
-        p.add_argument(flag, dest=dest, type=convert, default=_env_default(dest, default, convert),
+        env_default = _env_default(p, dest, default, convert, kw.get("choices"))
+        p.add_argument(flag, dest=dest, type=convert, default=env_default,
                        help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {default}]", **kw)
 
     add("--host", str, d.host, "address to bind")
-    add("--port", int, d.port, "TCP port (0 = any free port)")
+    add("--port", _port, d.port, "TCP port (0 = any free port)")
     add("--capacity", _size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
-    add("--eviction", str, d.eviction, "eviction policy", choices=sorted(POLICIES))
+    add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
     add("--page-size", _size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", float, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
-    add("--drain-seconds", float, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
+    add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
     add("--log-level", str.lower, d.log_level, "log level", choices=["debug", "info", "warning", "error"])
     add("--redis", str, d.redis, "back the store with Redis: redis://[:password@]host:port/db (or rediss://)")
     add("--redis-cluster", str, d.redis_cluster, "back the store with a Redis Cluster: host:port[,host:port...]")
     add("--redis-mode", str, d.redis_mode, "acknowledge puts after Redis has them, or after memory",
         choices=["write-through", "write-behind"])
     add("--redis-queue-bytes", _size, d.redis_queue_bytes, "write-behind queue bound (puts wait while full)")
-    add("--redis-ttl", int, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
-    add("--redis-timeout", float, d.redis_timeout, "Redis socket timeout in seconds")
+    # a negative TTL would make Redis refuse every SET ... EX, so every PUT would fail
+    add("--redis-ttl", _count, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
+    add("--redis-timeout", _seconds, d.redis_timeout, "Redis socket timeout in seconds")
     # operations and hardening (docs/operations.md)
     add("--metrics-port", _optional_port, d.metrics_port,
         "serve /metrics, /healthz, /livez over HTTP on --host at this port (0 = any free port; off if unset)")
@@ -103,15 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--idle-timeout", _seconds, d.idle_timeout, "close a connection silent for this long (0 = never)")
     add("--frame-timeout", _seconds, d.frame_timeout,
         "drop a connection whose frame is incomplete this long (0 = never)")
-    add("--max-connections", int, d.max_connections, "refuse connections over this many")
+    add("--max-connections", _count, d.max_connections, "refuse connections over this many")
     add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
-    add("--max-batch", int, d.max_batch, "most keys in one request")
+    add("--max-batch", _count, d.max_batch, "most keys in one request")
     add("--max-frame-size", _size, d.max_frame_size, "most payload bytes in one frame")
     add("--max-block", _size, d.max_block, "most bytes in one block")
     # same-host transport (docs/shm.md)
     add("--unix", str, d.unix, "also listen on this Unix socket path (mode 0660, removed on exit); "
         "same-host clients use unix:PATH and map the block arena over it")
-    p.add_argument("--no-shm", dest="shm", action="store_false", default=not _env_default("no_shm", not d.shm, _bool),
+    no_shm = _env_default(p, "no_shm", not d.shm, _bool)
+    p.add_argument("--no-shm", dest="shm", action="store_false", default=not no_shm,
                    help="never offer the block arena as shared memory on the Unix socket "
                         f"[env {ENV_PREFIX}NO_SHM=1, default: offered when --unix is set]")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")

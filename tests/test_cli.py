@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvstore.client import KVClient
 
 CLI = Path(sys.executable).with_name("kvstore-cli")
@@ -144,3 +146,63 @@ def test_module_entry_point_is_the_same_program(server) -> None:
                        capture_output=True, timeout=30, env=env)
     assert r.returncode == 0 and json.loads(r.stdout) == {"m": {"blocks": 1, "bytes": 1}}
     assert r.stdout == cli("namespaces", "--json", addr=server.addr).stdout
+
+
+
+def dead_addr() -> str:
+    """A loopback address where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:\u00b2"])
+def test_an_addr_without_a_valid_port_is_a_usage_error(addr: str) -> None:
+    r = cli("ping", "--addr", addr)  # refused before connect() (OverflowError for 99999)
+    assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
+    r = cli("ping", addr=addr)  # the same from KVSTORE_ADDR
+    assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
+
+
+@pytest.mark.parametrize(("name", "value"), [("KVSTORE_TIMEOUT", "abc"), ("KVSTORE_TIMEOUT", "-1"),
+                                             ("KVSTORE_TLS", "maybe")])
+def test_a_bad_environment_value_is_a_usage_error(name: str, value: str) -> None:
+    r = cli("ping", addr=dead_addr(), env={name: value})
+    assert r.returncode == 2 and f"{name}='{value}'" in one_error_line(r)
+
+
+def test_a_timeout_must_be_positive() -> None:
+    r = cli("ping", "--timeout", "0", addr=dead_addr())
+    assert r.returncode == 2 and "argument --timeout" in r.stderr.decode()
+
+
+def test_a_token_file_that_is_not_utf8_is_a_usage_error(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe\x00bad\n")
+    r = cli("ping", "--token-file", str(token), addr=dead_addr())
+    assert r.returncode == 2 and "UTF-8" in one_error_line(r)
+
+
+SERVER = CLI.with_name("kvstore-server")
+
+
+def server_run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``kvstore-server ARGS`` with only ``env`` as KVSTORE_*; one that starts anyway is killed by the timeout."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return subprocess.run([str(SERVER), "--host", "127.0.0.1", "--capacity", "1MiB", *args], capture_output=True,
+                          text=True, timeout=10, env={**full_env, "KVSTORE_PORT": "0", **env})
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("LOG_LEVEL", "verbose"), ("LOG_FORMAT", "xml"), ("REDIS_MODE", "bogus"), ("EVICTION", "fifo"),
+    ("REDIS_TTL", "-1"), ("PORT", "99999"), ("NO_SHM", "maybe")])
+def test_server_checks_an_environment_value_as_it_checks_the_flag(name: str, value: str) -> None:
+    r = server_run(env={f"KVSTORE_{name}": value})
+    assert r.returncode == 2 and f"kvstore-server: error: bad KVSTORE_{name}='{value}'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--redis-ttl", "-1"), ("--port", "99999"), ("--max-connections", "-1")])
+def test_server_refuses_out_of_range_flags(flag: str, value: str) -> None:
+    r = server_run(flag, value, env={})
+    assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr
