@@ -154,11 +154,10 @@ class Connection(asyncio.BufferedProtocol):
         t0 = time.perf_counter()
         msg = frame.msg
         name = _OP_NAMES.get(type(msg), "invalid")
-        if frame.error is not None or msg is None:
-            self._send_error(frame.request_id, name, frame.error or ProtocolError("invalid request"), t0)
-            return
         try:
-            self.service.check_allowed(self.session, msg)
+            self.service.check_allowed(self.session, frame.op)
+            if frame.error is not None or msg is None:
+                raise frame.error or ProtocolError("invalid request")
             if isinstance(msg, ShmAttach):  # the reply carries the arena's fd: written by shm, not here
                 assert self.transport is not None
                 self.service.shm.attach(self.session, self.transport, frame.request_id)

@@ -16,12 +16,15 @@ Two modes:
   acknowledged is lost while the process lives, and :meth:`RedisTier.close`
   flushes the queue before exit.
 
-Faults: any Redis failure marks the tier ``degraded`` (logged once on the
-transition, once again on recovery). While degraded no request waits on
-Redis: reads are answered from memory and the queue, write-through puts and
-deletes fail at once with :class:`~kvstore.errors.Unavailable`, and
-:meth:`RedisTier.check_health` (called periodically by the server) probes
-with back-off until Redis answers again; the write-behind queue then drains.
+Faults: a failure of Redis itself (connection, timeout, cluster down) marks
+the tier ``degraded`` (logged once on the transition, once again on recovery);
+an error reply to one command (``WRONGTYPE`` from a key someone else wrote,
+``OOM``) concerns that key only: a miss for a read, a failed put or delete.
+While degraded no request waits on Redis: reads are answered from memory and
+the queue, write-through puts and deletes fail at once with
+:class:`~kvstore.errors.Unavailable`, and :meth:`RedisTier.check_health`
+(called periodically by the server) probes with back-off until Redis answers
+again; the write-behind queue then drains.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (
+    AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
+)
 
 from kvstore.config import ServerConfig
 from kvstore.errors import Unavailable
@@ -66,6 +71,8 @@ _NS_SAFE = "/=+,@"
 
 MODES = ("write-through", "write-behind")
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+# Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
+_SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
 _BATCH_BLOCKS = 64  # write-behind: blocks per flush round trip
 _BATCH_BYTES = 32 << 20  # ... and bytes; bounded so one round trip stays well under the socket timeout
 _PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
@@ -136,6 +143,11 @@ def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
     return nodes
 
 
+def _command_error(result: Any) -> bool:
+    """An error reply to one command (``WRONGTYPE`` on a foreign key, ``OOM``...): that key's failure only."""
+    return isinstance(result, ResponseError) and not isinstance(result, _SERVER_STATE_ERRORS)
+
+
 def _describe(exc: BaseException) -> str:
     """A short printable reason: redis-py's pipeline errors quote the failed command, block bytes included."""
     text = str(exc)
@@ -172,7 +184,9 @@ class _WriteQueue:
         return len(self.waiting) + len(self.inflight)
 
     def get(self, ns: str, key: bytes) -> _Item | None:
-        return self.waiting.get((ns, key)) or self.inflight.get((ns, key))
+        """The queued block, unless a delete or flush has cancelled it (it is then only being written)."""
+        item = self.waiting.get((ns, key)) or self.inflight.get((ns, key))
+        return None if item is None or item.cancelled else item
 
     async def put(self, item: _Item) -> None:
         """Queue ``item``; waits while the queue is full (one item larger than the limit still passes alone)."""
@@ -373,17 +387,36 @@ class RedisTier(Tier):
         return Unavailable(f"redis tier {self.target} is unavailable ({self._last_error}); retrying in the background")
 
     async def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run commands as one pipeline (one round trip per node); Redis failures become ``Unavailable``."""
+        """Run commands as one pipeline (one round trip per node).
+
+        A failure of Redis itself marks the tier down and raises ``Unavailable``.
+        An error reply to one command (say ``WRONGTYPE`` from a key someone else
+        wrote) is left in its place in the results: it concerns that key only.
+        """
         if not self._up.is_set():
             raise self._unavailable()
         pipe = self.client.pipeline(transaction=False)
         for cmd in commands:
             pipe.execute_command(*cmd)
         try:
-            return await pipe.execute()  # resets the pipeline whatever happens
+            results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
         except _REDIS_ERRORS as exc:
             self._mark_down(exc)
             raise self._unavailable() from None
+        # A cluster pipeline returns a node's lost connection in its commands' places, too.
+        outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
+        if outage is not None:
+            self._mark_down(outage)
+            raise self._unavailable()
+        return results
+
+    def _refused(self, results: Sequence[Any], what: str) -> None:
+        """Raise ``Unavailable`` (the tier stays up) if Redis refused any of ``results``' commands."""
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.counters["failures"] += 1
+            raise Unavailable(f"redis {self.target} refused {len(errors)} of {len(results)} {what} "
+                              f"({_describe(errors[0])})")
 
     # -- writes
 
@@ -407,7 +440,8 @@ class RedisTier(Tier):
         return cmds
 
     async def _write(self, items: Sequence[_Item]) -> None:
-        await self._execute(self._set_commands(items))
+        results = await self._execute(self._set_commands(items))
+        self._refused(results[:len(items)], "block write(s)")  # (the record's hints that follow are best effort)
         self._known_ns.update(it.ns for it in items)
         self.counters["stored_blocks"] += len(items)
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
@@ -431,6 +465,8 @@ class RedisTier(Tier):
                 await self._write(batch)
             except Unavailable:
                 await self.queue.finish(batch, written=False)
+                if self._up.is_set():  # refused (say OOM) while Redis is up: retry later, not in a busy loop
+                    await asyncio.sleep(_PROBE_MAX_S)
             except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks
                 log.exception("redis write-behind flush failed; retrying")
                 await self.queue.finish(batch, written=False)
@@ -466,9 +502,13 @@ class RedisTier(Tier):
                 out[i] = self._decoded(ns, keys[i], value)
         return out
 
-    def _decoded(self, ns: str, key: bytes, value: bytes | None) -> tuple[memoryview, int] | None:
+    def _decoded(self, ns: str, key: bytes, value: bytes | Exception | None) -> tuple[memoryview, int] | None:
         if value is None:
             self.counters["fetch_misses"] += 1
+            return None
+        if isinstance(value, Exception):  # e.g. WRONGTYPE: not a string, so not one of our blocks
+            self.counters["fetch_misses"] += 1
+            log.warning("redis key %s could not be read (%s); treated as a miss", block_key(ns, key), _describe(value))
             return None
         decoded = decode_value(value)
         if decoded is None:
@@ -492,7 +532,7 @@ class RedisTier(Tier):
             except Unavailable:
                 found = [0] * len(ask)
             for i, n in zip(ask, found):
-                out[i] = bool(n)
+                out[i] = not isinstance(n, Exception) and bool(n)
         return out
 
     # -- deletes
@@ -512,9 +552,10 @@ class RedisTier(Tier):
         if not keys:
             return 0
         res = await self._execute([("DEL", block_key(ns, k)) for k in keys])
-        n = sum(int(r) for r in res)
+        self._refused(res, "delete(s)")
+        n = sum(res)
         if n:
-            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -n)])
+            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -n)])  # a hint: its error ignored
         return n
 
     async def flush(self, ns: str) -> int:
@@ -540,7 +581,11 @@ class RedisTier(Tier):
         return n
 
     async def _delete_names(self, names: Sequence[str | bytes]) -> int:
-        return sum(int(r) for r in await self._execute([("DEL", name) for name in names])) if names else 0
+        if not names:
+            return 0
+        res = await self._execute([("DEL", name) for name in names])
+        self._refused(res, "delete(s)")
+        return sum(res)
 
     # -- introspection
 

@@ -9,6 +9,7 @@ asynchronous later (a handler may then return an awaitable).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import (
     CapacityError, InvalidRequest, KVStoreError, ServerError, TooLarge, Unauthorized, Unavailable, code_of,
 )
-from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Message, Ping, Put, Stats, Unpin, VERSION
+from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
 from kvstore.store import BlockRef, BlockStore, Reservation
 
 from .auth import Grant, TokenTable
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 Fields = dict[str, Any]
 MaybeAsync = Union[Fields, Awaitable[Fields]]
+#: (namespace, key) -> the outcome of the tier write of a block already in memory: None, or its error.
+TierWrites = dict[tuple[str, bytes], "asyncio.Future[Unavailable | None]"]
 
 
 @dataclass
@@ -75,8 +78,10 @@ class PutSink:
     dropped as it arrives; its per-key status says why.
     """
 
-    def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None) -> None:
+    def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None,
+                 tier_writes: TierWrites | None = None) -> None:
         self.store, self.ns, self.msg, self.tier = store, ns, msg, tier
+        self.tier_writes: TierWrites = {} if tier_writes is None else tier_writes
         self.sizes = msg.sizes
         self.status: list[int] = [STORED] * len(msg.keys)
         self.errors: dict[int, str] = {}
@@ -102,19 +107,56 @@ class PutSink:
         return res
 
     def commit(self) -> MaybeAsync:
-        """Make the received blocks visible; with a tier, also hand them to it."""
+        """Make the received blocks visible; with a tier, also hand them to it.
+
+        A block that "existed" only because another PUT's tier write of it is
+        still running is not acknowledged yet: that write may fail, and then
+        the block leaves memory again. Such keys wait for that write's outcome.
+        """
         keys = self.msg.keys
         for i, res in enumerate(self.reservations):
             if res is not None:
                 stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
-        stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
-        if self.tier is None or not stored_idx:
+        if self.tier is None:
             return self._fields()
-        return self._store_in_tier(stored_idx)
+        stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
+        others: dict[int, asyncio.Future[Unavailable | None]] = {}
+        for i, st in enumerate(self.status):
+            fut = self.tier_writes.get((self.ns, keys[i])) if st == EXISTED else None
+            if fut is not None:
+                others[i] = fut
+        if not stored_idx and not others:
+            return self._fields()
+        mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
+        for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
+            self.tier_writes[(self.ns, keys[i])] = mine
+        return self._store_in_tier(stored_idx, mine, others)
 
-    async def _store_in_tier(self, idx: list[int]) -> Fields:
+    async def _store_in_tier(self, idx: list[int], mine: asyncio.Future[Unavailable | None],
+                             others: dict[int, asyncio.Future[Unavailable | None]]) -> Fields:
+        keys = [self.msg.keys[i] for i in idx]
+        failure: Unavailable | None = None
+        try:
+            if idx:
+                failure = await self._write_to_tier(idx)
+        finally:
+            mine.set_result(failure)
+            for k in keys:
+                if self.tier_writes.get((self.ns, k)) is mine:
+                    del self.tier_writes[(self.ns, k)]
+        if others:
+            await asyncio.wait(set(others.values()))  # (wait() never cancels the futures it waits on)
+        for i, fut in others.items():
+            error = fut.result()
+            if error is not None:  # gone from memory again: the client must store it again
+                self.status[i] = error.code
+                self.errors[i] = str(error)
+        return self._fields()
+
+    async def _write_to_tier(self, idx: list[int]) -> Unavailable | None:
+        """Hand the blocks ``idx`` to the tier; on failure drop them from memory and return the error."""
         refs = list(zip(idx, self.store.acquire_many(self.ns, [self.msg.keys[i] for i in idx])))
         blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in refs if ref is not None]
         try:
@@ -126,11 +168,12 @@ class PutSink:
             for i in idx:
                 self.status[i] = exc.code
                 self.errors[i] = str(exc)
+            return exc
         finally:
             for _, ref in refs:
                 if ref is not None:
                     self.store.release(ref)
-        return self._fields()
+        return None
 
     def _fields(self) -> Fields:
         fields: Fields = {"status": self.status}
@@ -181,6 +224,11 @@ class Service:
         self.counters = Counters()
         self.started = time.time()
         self.auth = TokenTable.load(config.token_file) if config.token_file else None
+        self.max_reply = config.limits().max_payload  # a bigger GET reply is refused by the client's codec
+        self.tier_writes: TierWrites = {}  # blocks in memory whose tier write is still running
+        # Tier deletes (and flushes) started and finished: a read-through that overlapped one must not
+        # promote what it read, or the deleted block would come back into memory.
+        self.deletes_started = self.deletes_finished = 0
         from .shm import ShmService  # imported here: shm builds on this module's PutSink and GetResult
 
         self.shm = ShmService(self)
@@ -218,13 +266,14 @@ class Service:
         return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace,
                 **self.shm.hello_fields(session)}
 
-    def check_allowed(self, session: Session, msg: Message) -> None:
-        if not session.authenticated and not isinstance(msg, (Hello, Ping)):
+    def check_allowed(self, session: Session, op: int) -> None:
+        """Before HELLO only HELLO and PING are served (checked by op: a malformed frame too)."""
+        if not session.authenticated and op not in (Hello.OP, Ping.OP):
             raise Unauthorized("authenticate with HELLO first")
 
     # -- ops: synchronous in memory; a coroutine where the tier must be asked
     def begin_put(self, session: Session, msg: Put) -> PutSink:
-        return PutSink(self.store, session.namespace, msg, self.tier)
+        return PutSink(self.store, session.namespace, msg, self.tier, self.tier_writes)
 
     def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
         lease_s = msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds
@@ -247,7 +296,11 @@ class Service:
         return {"n": n}
 
     def get(self, session: Session, msg: Get) -> GetResult | Awaitable[GetResult]:
-        """Pins every block it returns; the caller releases them once written."""
+        """Pins every block it returns; the caller releases them once written.
+
+        Raises:
+            TooLarge: the blocks found add up to more than one reply may carry (pins released).
+        """
         ns = session.namespace
         res = GetResult([], [], [])
         for ref in self.store.acquire_many(ns, msg.keys):
@@ -260,6 +313,7 @@ class Service:
                 res.sizes.append(ref.size)
                 res.checksums.append(ref.checksum)
                 res.refs.append(ref)
+        self.check_reply_size(res)
         if msg.unpin:
             self.store.unpin(ns, msg.keys)
         missing = [i for i, b in enumerate(res.blocks) if b is None]
@@ -267,13 +321,36 @@ class Service:
             return res
         return self._get_tier(ns, msg.keys, res, missing)
 
+    def check_reply_size(self, res: GetResult) -> None:
+        """Refuse a reply over the payload limit: the client's codec would drop the connection on it.
+
+        Raises:
+            TooLarge: after releasing ``res.refs``.
+        """
+        total = res.payload_len
+        if total is not None and total > self.max_reply:
+            self.store.release_many(res.refs)
+            res.refs = []
+            raise TooLarge(f"the blocks asked for add up to {total} bytes, over the reply limit of "
+                           f"{self.max_reply}: ask for fewer at a time")
+
+    def read_token(self) -> int | None:
+        """Taken before a read-through: None while a tier delete runs (then nothing read may be promoted)."""
+        return self.deletes_started if self.deletes_started == self.deletes_finished else None
+
+    def may_promote(self, token: int | None) -> bool:
+        """True when no tier delete overlapped the read that began with ``token``."""
+        return token is not None and token == self.deletes_started
+
     async def _get_tier(self, ns: str, keys: list[bytes], res: GetResult, missing: list[int]) -> GetResult:
         """Read through: fetch memory's misses in one round trip and promote them."""
         assert self.tier is not None
+        token = self.read_token()
         try:
             fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
         except Unavailable:
             return res  # degraded: serve what memory has
+        promote = self.may_promote(token)
         for i, item in zip(missing, fetched):
             if item is None:
                 continue
@@ -283,10 +360,13 @@ class Service:
             res.checksums[i] = checksum
             if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
                 continue  # corrupted in the tier: sent as is so the client reports it, never cached in memory
+            if not promote:
+                continue  # a delete ran meanwhile: serve this copy, but keep no deleted block in memory
             try:
                 self.store.put(ns, keys[i], data, checksum, parent=keys[i - 1] if i else None)
             except (CapacityError, TooLarge):
                 pass  # promotion is best effort; the block is served from the fetched copy
+        self.check_reply_size(res)
         return res
 
     def release(self, refs: list[BlockRef]) -> None:
@@ -326,10 +406,20 @@ class Service:
             return {"n": n}
         return self._in_tier_too(n, self.tier.flush(ns))
 
-    @staticmethod
-    async def _in_tier_too(n_memory: int, tier_call: Awaitable[int]) -> Fields:
-        """Deletes must reach the tier (or fail), or the blocks would come back on the next miss."""
-        return {"n": max(n_memory, await tier_call)}
+    def _in_tier_too(self, n_memory: int, tier_call: Awaitable[int]) -> Awaitable[Fields]:
+        """Deletes must reach the tier (or fail), or the blocks would come back on the next miss.
+
+        Counted from now (memory has already dropped the blocks) until the tier is done,
+        so that no read-through running meanwhile promotes a block back (:meth:`may_promote`).
+        """
+        self.deletes_started += 1
+
+        async def finish() -> Fields:
+            try:
+                return {"n": max(n_memory, await tier_call)}
+            finally:
+                self.deletes_finished += 1
+        return finish()
 
     def ping(self, session: Session, msg: Ping) -> dict[str, Any]:
         return {}

@@ -223,20 +223,33 @@ class ShmService:
 
     async def _get_tier(self, st: ShmSession, ns: str, keys: list[bytes], refs: list[BlockRef | None],
                         missing: list[int]) -> ShmGetResult:
-        """Read memory's misses through the tier; promote each into the arena when it can."""
+        """Read memory's misses through the tier; promote each into the arena when it can
+        (not when a delete ran meanwhile: see :meth:`Service.may_promote`).
+
+        Raises:
+            TooLarge: the blocks to send inline add up to more than a reply may carry (pins released).
+        """
         assert self.tier is not None
+        token = self.service.read_token()
         try:
             fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
         except Unavailable:
             fetched = [None] * len(missing)
+        promote = self.service.may_promote(token)
         inline: dict[int, tuple[memoryview, int]] = {}
         for i, item in zip(missing, fetched):
             if item is None:
                 continue
             data, checksum = memoryview(item[0]).cast("B"), item[1]
-            refs[i] = self._promote(ns, keys[i], data, checksum, keys[i - 1] if i else None)
+            if promote:
+                refs[i] = self._promote(ns, keys[i], data, checksum, keys[i - 1] if i else None)
             if refs[i] is None:
                 inline[i] = (data, checksum)  # the client still gets it (and checks it) over the socket
+        inline_bytes = sum(len(data) for data, _ in inline.values())
+        if inline_bytes > self.service.max_reply:
+            self._release_refs([r for r in refs if r is not None])
+            raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
+                           f"{self.service.max_reply}: ask for fewer at a time")
         return self._grant(st, refs, inline)
 
     def _promote(self, ns: str, key: bytes, data: memoryview, checksum: int, parent: bytes | None) -> BlockRef | None:
@@ -286,7 +299,7 @@ class ShmService:
         """Reserve a slot per new key; the client writes them, then commits."""
         st = self._session(session)
         put = Put(keys=msg.keys, sizes=msg.sizes, parent=msg.parent)
-        sink = PutSink(self.store, session.namespace, put, self.tier)
+        sink = self.service.begin_put(session, put)  # (shares the service's pending tier writes)
         page_size = self.store.arena.page_size
         locs: list[Loc | None] = []
         for i, size in enumerate(msg.sizes):

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized
-from kvstore.protocol import HEADER, Hello, Ping, Put, encode
+from kvstore.protocol import HEADER, Hello, Lookup, Ping, Put, encode
 
 TOKEN = "s3cret-global-7f3a"
 NS_TOKEN = "ns-only-91bc"
@@ -78,6 +78,11 @@ def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(put_frame(1))  # no HELLO at all
         assert replies(read_all(s)) == [(0xFF, 1)]
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(frames(Lookup(keys=[b""]), Ping()))  # no HELLO, and a malformed request: refused just the same
+        got = read_all(s)
+    assert replies(got) == [(0xFF, 1)]
+    assert got[HEADER.size + got[HEADER.size:].index(b"code") + 4] == Unauthorized.code
 
 
 async def test_namespace_scoped_token(make_server, token_file: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncKVClient
-from kvstore.errors import IntegrityError, Unavailable
+from kvstore.errors import IntegrityError, TooLarge, Unavailable
 from kvstore.server.process import ServerProcess
 from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, ns_record_key
 
@@ -256,3 +256,26 @@ async def test_rediss_url_with_password_and_db(make_redis, make_server) -> None:
     assert len(redis.cli("-n", "2", "--scan", "--pattern", "kvstore:*").split()) == 3
     assert redis.cli("-n", "0", "DBSIZE") == "0"
     assert not any("s3cret" in line for line in srv.log)
+
+
+# ---------------------------------------------------------------- reply size
+
+
+async def test_get_reply_over_the_frame_limit_is_refused(redis_server: RedisProcess, make_server) -> None:
+    """A reply the client's codec would refuse (dropping the connection) is answered TooLarge instead,
+    whether memory or a read-through found the blocks; their pins are released."""
+    limit = ("--max-frame-size", "1MiB")
+    keys = chain(3, "reply-limit")
+    data = blocks(keys, 400_000)  # any two fit in one reply, three do not
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url, *limit)
+    reader = make_server("--capacity", MEM, "--redis", redis_server.url, *limit)  # empty memory: reads through
+    async with AsyncKVClient(writer.addr, namespace=NS, retries=0) as kv:
+        for k, d in zip(keys, data):
+            await kv.put([k], [d])
+    for srv in (writer, reader):
+        async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+            with pytest.raises(TooLarge, match="reply limit"):
+                await kv.get(keys)
+            assert (await kv.stats())["store"]["pinned_blocks"] == 0
+            assert payloads(await kv.get(keys[:2])) == data[:2]  # same connection, still in step
+            assert payloads(await kv.get(keys[2:])) == data[2:]

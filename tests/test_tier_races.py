@@ -1,0 +1,201 @@
+"""Races between clients over the Redis tier, and error replies that concern one key only.
+
+Real redis-server and kvstore-server processes. A Redis ``CLIENT PAUSE ...
+WRITE`` holds the tier's writes (and deletes) in flight while its reads still
+go through, so each race is set up by polling for a state, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Any, Awaitable, Callable, Iterator
+
+import pytest
+
+from kvstore.client import AsyncKVClient
+from kvstore.errors import Unavailable
+from kvstore.server.process import ServerProcess
+from kvstore.server.redis_tier import block_key
+
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
+from redis_fixtures import (  # noqa: F401  (fixtures)
+    RedisClusterProcesses, RedisProcess, blocks, chain, eventually, make_redis, payloads, redis_cluster,
+    redis_server,
+)
+
+NS = "race/bf16/tp0"
+MEM = "16MiB"
+SLOW = ("--redis-timeout", "30")  # a paused write must not time out while the test holds it
+
+
+@contextlib.contextmanager
+def paused_writes(redis: RedisProcess) -> Iterator[None]:
+    """Redis holds every write command (reads go on) until the block ends, failing or not."""
+    redis.cli("CLIENT", "PAUSE", "60000", "WRITE")
+    try:
+        yield
+    finally:
+        redis.cli("CLIENT", "UNPAUSE")
+
+
+def blocked_writes(redis: RedisProcess) -> int:
+    """Clients whose commands wait on ``CLIENT PAUSE``: the tier's writes in flight."""
+    info = dict(line.split(":", 1) for line in redis.cli("INFO", "clients").splitlines() if ":" in line)
+    return int(info["blocked_clients"])
+
+
+async def until_blocked(redis: RedisProcess, n: int = 1) -> None:
+    async def held() -> bool:
+        return blocked_writes(redis) >= n
+
+    await eventually(held, 10, f"{n} write(s) to wait on the paused redis")
+
+
+async def until_stats(kv: AsyncKVClient, what: str, cond: Callable[[dict[str, Any]], bool]) -> None:
+    async def ok() -> bool:
+        return bool(cond(await kv.stats()))
+
+    await eventually(ok, 10, what)
+
+
+# ---------------------------------------------------------------- dedup against a pending write-through
+
+
+async def test_put_of_a_key_whose_tier_write_is_pending_shares_its_outcome(make_redis, make_server) -> None:
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
+    [key] = chain(1, "dedup")
+    [data] = blocks([key], 16)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
+            AsyncKVClient(srv.addr, namespace=NS, retries=0) as b:
+        redis.cli("CLIENT", "PAUSE", "60000", "WRITE")
+        first = asyncio.ensure_future(a.put([key], [data]))
+        await until_blocked(redis)  # A's block is in memory, its SET held in Redis
+        second = asyncio.ensure_future(b.put([key], [data]))
+        await until_stats(a, "B's put to find the key in memory", lambda st: st["store"]["dedup"] == 1)
+        redis.stop(signal.SIGKILL)  # A's write fails: its block leaves memory again
+
+        with pytest.raises(Unavailable):
+            await first
+        try:
+            res = await second
+        except Unavailable:
+            pass  # not acknowledged either: the client stores it again
+        else:
+            [got] = payloads(await b.get([key]))
+            assert got is not None, f"B was told the block {res.statuses[0]}, and it is gone"
+            assert got == data
+        assert await b.exists([key]) == [False]  # memory kept nothing unacknowledged
+
+
+async def test_put_of_a_key_whose_tier_write_is_pending_waits_for_success(make_redis, make_server) -> None:
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
+    [key] = chain(1, "dedup-ok")
+    [data] = blocks([key], 16)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
+            AsyncKVClient(srv.addr, namespace=NS, retries=0) as b:
+        with paused_writes(redis):
+            first = asyncio.ensure_future(a.put([key], [data]))
+            await until_blocked(redis)
+            second = asyncio.ensure_future(b.put([key], [data]))
+            await until_stats(a, "B's put to find the key in memory", lambda st: st["store"]["dedup"] == 1)
+        assert (await first).stored == 1
+        assert (await second).existed == 1
+    assert redis.cli("EXISTS", block_key(NS, key)) == "1"
+
+
+# ---------------------------------------------------------------- a delete racing a read-through
+
+
+def remove(kv: AsyncKVClient, op: str, key: bytes) -> Awaitable[int]:
+    """DELETE the key, or FLUSH its namespace: both drop it from memory first, then from Redis."""
+    return kv.delete([key]) if op == "delete" else kv.flush()
+
+
+@pytest.mark.parametrize("op", ["delete", "flush"])
+@pytest.mark.parametrize("via", ["tcp", "shm"])
+async def test_read_through_during_a_delete_does_not_bring_the_block_back(make_redis, make_server, unix_path: str,
+                                                                         op: str, via: str) -> None:
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--unix", unix_path, *SLOW)
+    [key] = chain(1, "resurrect-wt")
+    [data] = blocks([key], 16)
+    reader = f"unix:{unix_path}" if via == "shm" else srv.addr  # shm: the reply locates blocks in the arena
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
+            AsyncKVClient(reader, namespace=NS, retries=0) as c:
+        assert (c.nodes[0].shm is not None) == (via == "shm")
+        await a.put([key], [data])
+        with paused_writes(redis):  # DEL waits; GET is still answered
+            deleting = asyncio.ensure_future(remove(a, op, key))
+            await until_blocked(redis)  # memory has dropped it; Redis still has it
+            assert payloads(await c.get([key])) in ([data], [None])  # concurrent with the delete: either
+        assert await deleting == 1
+        assert await c.exists([key]) == [False], "the deleted block came back (promoted by the GET)"
+        assert payloads(await c.get([key])) == [None]
+
+
+@pytest.mark.parametrize("op", ["delete", "flush"])
+async def test_write_behind_delete_of_an_inflight_block_hides_it(make_redis, make_server, op: str) -> None:
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", *SLOW)
+    [key] = chain(1, "resurrect-wb")
+    [data] = blocks([key], 16)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
+            AsyncKVClient(srv.addr, namespace=NS, retries=0) as c:
+        with paused_writes(redis):
+            assert (await a.put([key], [data])).stored == 1  # acknowledged: queued
+            await until_blocked(redis)  # the flusher's SET of it is in flight
+            deleting = asyncio.ensure_future(remove(a, op, key))  # waits for that SET, then DELs
+            await until_stats(c, "the delete to drop the block from memory", lambda st: st["store"]["blocks"] == 0)
+            assert payloads(await c.get([key])) == [None], "the queue served a block whose delete had begun"
+        assert await deleting == 1
+        assert await c.exists([key]) == [False], "the deleted block came back"
+        assert payloads(await c.get([key])) == [None]
+    assert redis.cli("EXISTS", block_key(NS, key)) == "0"
+
+
+# ---------------------------------------------------------------- an error reply concerns one key
+
+
+async def _foreign_key_is_a_miss(writer: ServerProcess, reader: ServerProcess, hset: Callable[..., str]) -> None:
+    good, odd, new = chain(3, "foreign")
+    data = blocks([good, new], 16)
+    async with AsyncKVClient(writer.addr, namespace=NS, retries=0) as w:
+        await w.put([good], data[:1])
+    hset(block_key(NS, odd), "f", "v")  # someone else's hash where a block would be: GET answers WRONGTYPE
+    async with AsyncKVClient(reader.addr, namespace=NS, retries=0) as r:
+        got = payloads(await r.get([good, odd]))  # reader's memory is empty: read through
+        tier = (await r.stats())["tier"]
+        assert tier["state"] == "ok" and tier["outages"] == 0, f"a foreign key degraded the tier: {tier['last_error']}"
+        assert got == [data[0], None]
+        assert (await r.put([new], data[1:])).stored == 1  # other writes go on
+    reader.wait_log("could not be read")
+
+
+async def test_a_foreign_key_type_is_a_miss_not_an_outage(redis_server: RedisProcess, make_server) -> None:
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    reader = make_server("--capacity", MEM, "--redis", redis_server.url)
+    await _foreign_key_is_a_miss(writer, reader, lambda *args: redis_server.cli("HSET", *args))
+
+
+async def test_a_foreign_key_type_is_a_miss_in_a_cluster(redis_cluster: RedisClusterProcesses, make_server) -> None:
+    writer = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    reader = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    await _foreign_key_is_a_miss(writer, reader, lambda *args: redis_cluster.nodes[0].cli("-c", "HSET", *args))
+
+
+async def test_a_refused_write_fails_that_put_only(redis_server: RedisProcess, make_server) -> None:
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url)
+    keys = chain(2, "oom")
+    data = blocks(keys, 16)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+        redis_server.cli("CONFIG", "SET", "maxmemory", "1")  # every SET now answers OOM
+        with pytest.raises(Unavailable, match="OOM|refused"):
+            await kv.put(keys[:1], data[:1])
+        assert await kv.exists(keys[:1]) == [False]  # not acknowledged, not kept
+        assert (await kv.stats())["tier"]["state"] == "ok"  # Redis answers: not an outage
+        redis_server.cli("CONFIG", "SET", "maxmemory", "0")
+        assert (await kv.put(keys, data)).stored == 2
