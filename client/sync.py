@@ -8,6 +8,7 @@ one background event-loop thread shared by all blocking clients of the process
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from concurrent.futures import Future
@@ -51,7 +52,11 @@ class _LoopThread:
         try:
             return fut.result()
         except BaseException:
-            fut.cancel()  # e.g. KeyboardInterrupt: the request is cancelled and its connection dropped
+            # E.g. KeyboardInterrupt: cancel the request (its connection is dropped), and wait one turn of
+            # the loop for that to happen, so that no reply lands in the caller's buffers after we raise.
+            fut.cancel()
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result(timeout=5)
             raise
 
 

@@ -181,6 +181,25 @@ def test_a_blocking_client_used_after_fork_raises_in_the_child() -> None:
         assert kv.exists(make_keys("f", 1)) == [True]  # the parent's client is fine
 
 
+def test_an_interrupted_blocking_call_has_dropped_its_connection_when_it_raises() -> None:
+    with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="t", pool_size=1) as kv:
+        k = make_keys("int", 1)
+        kv.put(k, [b"x" * 1000])
+        buf = bytearray(1000)
+        assert srv.proc is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # the get_into below waits
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        old = signal.signal(signal.SIGALRM, signal.default_int_handler)  # a Ctrl-C, in effect
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                kv.get_into(k, [buf])
+            assert all(c.closed for c in kv._aio.nodes[0].conns)  # no reply can land in buf from now on
+        finally:
+            signal.signal(signal.SIGALRM, old)
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert kv.get_into(k, [buf]) == [True] and buf == b"x" * 1000
+
+
 async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending() -> None:
     torch = pytest.importorskip("torch")
     with ServerProcess("--capacity", "16MiB") as srv:
