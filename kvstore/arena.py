@@ -187,6 +187,10 @@ class Arena:
         for start, n in extent:
             if n <= 0 or start < 0 or start + n > self.num_pages or used.count(0, start, start + n):
                 raise ValueError(f"pages {start}..{start + n - 1} are not allocated (double free?)")
+        if len(extent) > 1:
+            runs = sorted(extent)
+            if any(start + n > nxt for (start, n), (nxt, _) in zip(runs, runs[1:])):
+                raise ValueError(f"extent {extent} has overlapping runs (not one this arena gave out)")
         for start, n in extent:
             used[start : start + n] = self._zeros[:n]
             self.free_pages += n

@@ -285,9 +285,14 @@ class ARCPolicy(_ChainPolicy[K]):
             del self._b2[key]
         else:
             target = self._t1
+        if parent is not None and parent in self._t1:
+            target = self._t1  # never worth more than its predecessor: it goes first, from T1
         target.insert_before(key, parent if parent is not None and parent in target else _END)
 
     def touch(self, keys: Iterable[K], parent: K | None = None) -> None:
+        if parent is not None and parent in self._t1:  # (a suffix read after a head seen once: stays in T1)
+            self._place(self._t1, keys if isinstance(keys, list) else list(keys), parent, self._take)
+            return
         anchor = parent if parent is not None and parent in self._t2 else _END
         self._place(self._t2, keys, anchor, self._take)
 

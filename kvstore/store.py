@@ -255,6 +255,10 @@ class BlockStore:
     def reserve(self, ns: str, key: bytes, size: int, checksum: int = 0) -> Reservation | None:
         """Set pages aside for a block about to be received.
 
+        A key already stored counts as read: a batch that restates a stored
+        prefix (a whole prompt) takes the room for its new blocks from other
+        chains, not from that prefix.
+
         Returns:
             The reservation, or ``None`` when ``(ns, key)`` is already stored.
 
@@ -267,8 +271,12 @@ class BlockStore:
         _check_ns(ns)
         check_key(key)
         self._check_size(size)
-        if self._find(ns, key) is not None:
+        ns_blocks = self._blocks.get(ns, {})
+        block = ns_blocks.get(key)
+        if block is not None:
             self._events["dedup"] += 1
+            if not block.stranded:
+                self._policy.touch([block.pkey], self._parent_hint(ns_blocks, block))
             return None
         pages = self._pages(size)
         self._make_room(pages)

@@ -175,6 +175,9 @@ def test_double_free_raises_and_changes_nothing() -> None:
         arena.free(b + a)  # half valid: nothing may be freed
     with pytest.raises(ValueError):
         arena.free(((7, 5),))  # past the end
+    (start, n), = b
+    with pytest.raises(ValueError):
+        arena.free(((start, n), (start + 1, 1)))  # allocated pages, but one of them twice
     assert (arena.free_pages, repr(arena)) == before
 
 

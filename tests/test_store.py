@@ -356,6 +356,43 @@ def test_stranded_tails_go_before_reachable_blocks(policy: str) -> None:
     assert (store.stats()["evictions"], store.stats()["stranded_blocks"]) == (2, 0)
 
 
+def test_a_put_restating_a_stored_prefix_never_evicts_that_prefix(policy: str) -> None:
+    """The prefill side of P/D stores a whole prompt whose head is stored already (those keys
+    answer "existed"): the room for the new blocks comes from other chains, not from that head."""
+    store = make(policy, 6)
+    put_batch(store, ["p0", "p1", "p2"])
+    put_batch(store, ["o0", "o1", "o2"])  # full: o* are newer than p*
+    names = ["p0", "p1", "p2", "p3", "p4"]
+    res = [store.reserve(NS, k(n), PS) for n in names]  # as the server: all reserved, then committed
+    assert [r is None for r in res] == [True, True, True, False, False]
+    for i, r in enumerate(res):
+        if r is not None:
+            assert store.commit(r, parent=k(names[i - 1]))
+    assert store.lookup(NS, [k(n) for n in names]) == 5  # was 1: p1, p2 evicted, p3, p4 stranded
+    assert present(store, ["o0", "o1", "o2"]) == ["o0"]  # the other chain lost its tail
+
+
+def test_reading_a_chains_suffix_does_not_outlive_its_head(policy: str) -> None:
+    """An engine with a chain's head on its GPU reads only the rest; the head stays no older."""
+    store = make(policy, 5)
+    put_batch(store, [0, 1, 2, 3])
+    put_batch(store, ["x"])
+    assert store.lookup(NS, [k(2), k(3)]) == 2
+    put_batch(store, ["y"])  # -> one eviction: the chain's tail or x, never its head
+    assert store.stats()["stranded_blocks"] == 0
+    assert store.lookup(NS, [k(i) for i in range(4)]) == len(present(store, [0, 1, 2, 3]))
+
+
+def test_a_block_stored_again_behind_its_parent_goes_before_it(policy: str) -> None:
+    store = make(policy, 4)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["x0", "x1"])  # -> evicts [a2], the chain's tail
+    store.delete(NS, [k("x1")])
+    assert store.put(NS, k("a2"), data("a2"), parent=k("a1"))  # back (ARC: a ghost hit), behind a1
+    put_batch(store, ["y"])  # -> one eviction
+    assert store.stats()["stranded_blocks"] == 0
+
+
 def test_evicted_head_strands_its_chain(policy: str) -> None:
     store = make(policy, 5)
     put_batch(store, ["a0", "a1", "a2"])
