@@ -111,6 +111,27 @@ def test_async_scheduling_stores_a_block_when_its_last_token_is_known() -> None:
     assert second.first_block == 1 and second.gpu_block_ids == tuple(gpu_blocks(6)[3:6])
 
 
+def test_after_a_preemption_nothing_is_stored_from_blocks_not_yet_recomputed() -> None:
+    """Async scheduling, preempted while block 1's last token id was still on its way: the
+    new allocation holds only what was loaded until the engine computes again."""
+    s = make()
+    s.add_request("r", range(22))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (first,) = s.build_step({"r": 22})
+    s.on_store_done(first.job_id)
+    s.append_tokens("r", [900])
+    assert s.build_step({"r": 24}) == []  # 901 not known yet
+    # preempted: blocks 100.. go to other requests; the late token id arrives; resumed with block 0 loaded
+    s.append_tokens("r", [901])
+    load = s.on_alloc("r", gpu_blocks(7, base=200), s.num_external_tokens("r", 0, hits(1)))
+    assert load is not None and load.first_block == 0
+    s.on_load_done(load.job_id, True)
+    assert s.build_step({}) == []  # (block 1 from GPU blocks 203-205 was stored: never computed there)
+    (second,) = s.build_step({"r": 24})  # recomputed
+    assert second.first_block == 1 and second.gpu_block_ids == (203, 204, 205)
+
+
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
     s = make()
     s.add_request("r", range(23))

@@ -205,6 +205,9 @@ class OffloadScheduler:
         if req.busy:
             raise ValueError(f"request {req_id!r} still has transfers in flight")
         req.block_ids = list(gpu_block_ids)
+        # What these blocks hold once the load is done: a count from before a preemption would
+        # name blocks of the new allocation that were never computed.
+        req.computed = (req.gpu_hit or 0) + num_external_tokens
         if num_external_tokens == 0:
             return None
         gpu_hit = req.gpu_hit
