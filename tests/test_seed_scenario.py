@@ -202,3 +202,38 @@ def test_do_remote_decode_stores_all_blocks(kv_server: ServerProcess, async_sche
             for pos in range(OFF_BS):
                 got = cache[:, table[pos // GPU_BS], pos % GPU_BS]
                 assert got[0].eq(kv_value(pos, 0, layer, 0)).all() and got[1].eq(kv_value(pos, 0, layer, 1)).all()
+
+
+def test_pinned_lookups_that_no_load_takes_drop_their_leases(kv_server: ServerProcess) -> None:
+    """With ``pin=True`` every lookup leases what it finds. A request that ends before its load,
+    a lookup asked again, and a load shorter than what was found leave leases no GET drops:
+    the executor's next run drops them (they used to pin their blocks for the lease time)."""
+    caches = [torch.arange(2 * NUM_GPU_BLOCKS * GPU_BS * 2, dtype=torch.float32).reshape(2, NUM_GPU_BLOCKS, GPU_BS, 1, 2)
+              for _ in range(LAYERS)]
+    transfer = PagedKVTransfer(caches, FACTOR)
+    sched = OffloadScheduler(BlockHasher(OFF_BS), GPU_BS)
+    with KVClient(kv_server.addr, namespace="leases") as kv:
+        ex = TransferExecutor(kv, transfer, sched, pin=True)
+        prompt = list(range(100, 137))  # three full offloaded blocks
+        sched.add_request("stored", prompt)
+        keys = sched.keys("stored")
+        kv.put(keys, [p.numpy().data for p in transfer.gather(list(range(9)))])
+        sched.finish_request("stored")
+
+        def leases() -> int:
+            return int(kv.stats()["store"]["leases"])
+
+        sched.add_request("aborted", prompt)
+        assert sched.num_external_tokens("aborted", 0, ex.lookup) == 36
+        sched.finish_request("aborted")  # before any allocation
+        sched.add_request("asked-twice", prompt)
+        sched.num_external_tokens("asked-twice", 0, ex.lookup)
+        sched.add_request("takes-less", prompt)
+        sched.num_external_tokens("takes-less", 0, ex.lookup)
+        assert leases() == 9
+        assert sched.num_external_tokens("asked-twice", 0, ex.lookup) == 36  # waited a step, asked again
+        loads = [sched.on_alloc("asked-twice", list(range(20, 30)), 36),
+                 sched.on_alloc("takes-less", list(range(30, 40)), 12)]  # the engine takes one block of three
+        done = ex.run([job for job in loads if job is not None])
+        assert done.failed == ()
+        assert leases() == 0

@@ -103,6 +103,7 @@ class _Request:
     computed: int = 0  # tokens whose KV is in the GPU cache once the current step has run
     gpu_hit: int | None = None  # GPU prefix-hit tokens seen by num_external_tokens
     hit_end: int = 0  # chain index after the last block the lookup found present
+    found: tuple[bytes, ...] = ()  # keys the last lookup found that no load has taken yet
     loading: int | None = None  # job id of the in-flight load
     cursor_before_load: int = 0
     finished: bool = False
@@ -133,6 +134,9 @@ class OffloadScheduler:
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, LoadJob | StoreJob] = {}
         self._next_job_id = 0
+        #: Note the keys lookups found that no load takes (:meth:`take_unused`); off, they are not kept.
+        self.keep_unused = False
+        self._unused: list[bytes] = []
 
     # -- request life -------------------------------------------------------------------
 
@@ -186,6 +190,8 @@ class OffloadScheduler:
         hits = lookup(candidates)
         if not 0 <= hits <= len(candidates):
             raise ValueError(f"lookup of {len(candidates)} keys answered {hits}")
+        self._unuse(req.found)  # a lookup asked again: the last one's finds go unused
+        req.found = tuple(candidates[:hits])
         if hits == 0:
             return 0
         req.hit_end = start + hits
@@ -208,7 +214,9 @@ class OffloadScheduler:
         # What these blocks hold once the load is done: a count from before a preemption would
         # name blocks of the new allocation that were never computed.
         req.computed = (req.gpu_hit or 0) + num_external_tokens
+        found, req.found = req.found, ()
         if num_external_tokens == 0:
+            self._unuse(found)
             return None
         gpu_hit = req.gpu_hit
         if gpu_hit is None:
@@ -222,6 +230,7 @@ class OffloadScheduler:
             )
         self._need_blocks(req, end)
         start = gpu_hit // self.offloaded_block_size
+        self._unuse(found[end - start:])  # found, but beyond what the engine takes
         first_gpu = gpu_hit // self.gpu_block_size
         job = LoadJob(
             job_id=self._new_job_id(),
@@ -298,10 +307,19 @@ class OffloadScheduler:
         req = self._live(req_id)
         final = self._store_ready(req_id, req)
         req.finished = True
+        self._unuse(req.found)
         free_now = tuple(b for b in req.block_ids if not req.busy[b])
         if not req.busy:
             del self._requests[req_id]
         return Finished(free_now, (final,) if final is not None else ())
+
+    def take_unused(self) -> list[bytes]:
+        """Keys a lookup found that no load will fetch (the engine took fewer tokens, asked
+        again, or the request ended first), once each, since the last call, while
+        ``keep_unused`` is set. With pinning lookups, drop one lease for each (``unpin``):
+        :class:`TransferExecutor` with ``pin=True`` does both."""
+        unused, self._unused = self._unused, []
+        return unused
 
     # -- introspection ------------------------------------------------------------------
 
@@ -316,6 +334,10 @@ class OffloadScheduler:
         return len(self._requests)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _unuse(self, keys: Sequence[bytes]) -> None:
+        if self.keep_unused:
+            self._unused += keys
 
     def _live(self, req_id: str) -> _Request:
         req = self._requests.get(req_id)

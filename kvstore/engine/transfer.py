@@ -283,7 +283,8 @@ class TransferExecutor:
         transfer: the engine's paged cache.
         scheduler: told about every finished job.
         pin: lease the blocks a lookup finds until the load fetches them, so eviction cannot
-            take them in between (needs ``lookup(pin=)``/``get_into(unpin=)``, as ``KVClient``).
+            take them in between; the leases of blocks no load fetches are dropped at the next
+            :meth:`run` (needs ``lookup(pin=)``, ``get_into(unpin=)`` and ``unpin``, as ``KVClient``).
     """
 
     def __init__(
@@ -295,6 +296,7 @@ class TransferExecutor:
         self.transfer = transfer
         self.scheduler = scheduler
         self.pin = pin
+        scheduler.keep_unused = pin  # run() drops the leases no load takes
 
     def lookup(self, keys: list[bytes]) -> int:
         """The :data:`~kvstore.engine.offload.LookupFn` to give ``num_external_tokens``."""
@@ -321,13 +323,20 @@ class TransferExecutor:
         self.client.put(list(job.keys), [p.numpy().data for p in payloads], parent=job.parent)
 
     def run(self, jobs: Iterable[LoadJob | StoreJob]) -> Completed:
-        """Run jobs in order and report each to the scheduler.
+        """Run jobs in order and report each to the scheduler (with ``pin``, first drop the
+        leases of blocks lookups found and no load takes).
 
         A :class:`~kvstore.errors.KVStoreError` (store unreachable, full, corrupt block, payload
         of another layout) fails the job -- logged, reported, returned -- instead of the step.
         """
         freed: list[int] = []
         failed: list[LoadJob | StoreJob] = []
+        unused = self.scheduler.take_unused()
+        if unused:
+            try:
+                self.client.unpin(unused)  # type: ignore[attr-defined]
+            except KVStoreError as exc:  # they expire anyway (the server's lease time)
+                logger.warning("dropping %d unused leases failed: %s", len(unused), exc)
         for job in jobs:
             try:
                 if isinstance(job, LoadJob):
