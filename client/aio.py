@@ -434,7 +434,9 @@ class AsyncKVClient:
         if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
             beyond = [(node, [keys[i] for i in idx[:n] if i >= first_missing])
                       for (node, _), (idx, n) in zip(self._groups(keys), shares)]
-            await asyncio.gather(*(node.call(Unpin(keys=extra), idempotent=False) for node, extra in beyond if extra))
+            # (best effort: a lease not dropped expires with the server's lease time)
+            await asyncio.gather(*(node.call(Unpin(keys=extra), idempotent=False) for node, extra in beyond if extra),
+                                 return_exceptions=True)
         return first_missing
 
     async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:

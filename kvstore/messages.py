@@ -86,8 +86,8 @@ def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 
 
 def _check_sizes(sizes: Any, n: int, limits: Limits) -> None:
     _check_ints("sizes", sizes, n)
-    if n and max(sizes) > limits.max_block:
-        raise TooLarge(f"a block of {max(sizes)} bytes is over the limit of {limits.max_block} bytes")
+    if n and (big := max(sizes)) > limits.max_block:
+        raise TooLarge(f"a block of {big} bytes is over the limit of {limits.max_block} bytes")
 
 
 def _check_parent(parent: Any) -> None:

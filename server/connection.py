@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections import deque
 import logging
 import socket
 import time
+from collections import deque
 from typing import Any, Awaitable, Callable, cast
 
 from kvstore.errors import ProtocolError, Unauthorized, Unavailable
