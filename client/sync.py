@@ -54,7 +54,8 @@ class _LoopThread:
         except BaseException:
             # E.g. KeyboardInterrupt: cancel the request (its connection is dropped), and wait one turn of
             # the loop for that to happen, so that no reply lands in the caller's buffers after we raise.
-            fut.cancel()
+            if not fut.cancel():
+                raise  # the call had ended (its own exception): nothing is in flight
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result(timeout=5)
             raise

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import weakref
 from typing import Any
 
 from kvstore.config import ServerConfig, format_size
@@ -51,6 +52,7 @@ class Server:
         self.tls = server_tls_context(config.tls_cert, config.tls_key)
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
+        self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -58,10 +60,16 @@ class Server:
         self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
 
     def _new_connection(self) -> Connection | RejectedConnection:
-        if len(self.connections) >= self.config.max_connections:
+        # A TLS connection joins self.connections once its handshake is done; until then it counts
+        # here (it leaves this weak set with the protocol object when the handshake fails).
+        handshaking = sum(1 for c in self._handshaking if c.transport is None)
+        if len(self.connections) + handshaking >= self.config.max_connections:
             self.service.counters.connections_rejected += 1
             return RejectedConnection(self.config.max_connections)
-        return Connection(self.service, self.limits, self.connections)
+        conn = Connection(self.service, self.limits, self.connections)
+        if self.tls is not None:
+            self._handshaking.add(conn)
+        return conn
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

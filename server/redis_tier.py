@@ -395,20 +395,23 @@ class RedisTier(Tier):
         """
         if not self._up.is_set():
             raise self._unavailable()
-        pipe = self.client.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        try:
-            results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
-        except _REDIS_ERRORS as exc:
-            self._mark_down(exc)
-            raise self._unavailable() from None
-        # A cluster pipeline returns a node's lost connection in its commands' places, too.
-        outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
-        if outage is not None:
-            self._mark_down(outage)
-            raise self._unavailable()
-        return results
+        # A cluster pipeline returns a node's lost connection in its commands' places instead of
+        # reconnecting: such a result gets the pipeline sent once more (every command here may
+        # run twice: SET, GET, EXISTS, DEL, and counters that are only hints).
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            try:
+                results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
+            except _REDIS_ERRORS as exc:
+                self._mark_down(exc)
+                raise self._unavailable() from None
+            outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
+            if outage is None:
+                return results
+        self._mark_down(outage)
+        raise self._unavailable()
 
     def _refused(self, results: Sequence[Any], what: str) -> None:
         """Raise ``Unavailable`` (the tier stays up) if Redis refused any of ``results``' commands."""

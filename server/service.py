@@ -137,11 +137,10 @@ class PutSink:
     async def _store_in_tier(self, idx: list[int], mine: asyncio.Future[Unavailable | None],
                              others: dict[int, asyncio.Future[Unavailable | None]]) -> Fields:
         keys = [self.msg.keys[i] for i in idx]
-        failure: Unavailable | None = None
+        failure: Unavailable | None = Unavailable("the tier write of this block did not finish")
         try:
-            if idx:
-                failure = await self._write_to_tier(idx)
-        finally:
+            failure = await self._write_to_tier(idx) if idx else None
+        finally:  # (anything else raised, or cancelled: the PUTs waiting on it fail too)
             mine.set_result(failure)
             for k in keys:
                 if self.tier_writes.get((self.ns, k)) is mine:

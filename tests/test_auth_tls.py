@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import AsyncKVClient
-from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized
+from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized, Unavailable
 from kvstore.protocol import HEADER, Hello, Lookup, Ping, Put, encode
 
 TOKEN = "s3cret-global-7f3a"
@@ -146,6 +146,10 @@ async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server,
     async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), retries=0) as kv:
         await kv.ping()  # (was: "server is at its limit of 2 connections")
         assert (await kv.stats())["connections"] == 1
+        with socket.create_connection(("127.0.0.1", srv.port)):  # a handshake in progress holds a slot too
+            with pytest.raises(Unavailable):
+                async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), retries=0):
+                    pass
 
 
 async def test_tls_client_against_plaintext_server_fails_cleanly(server, tls_files: dict[str, Path]) -> None:

@@ -171,6 +171,7 @@ def test_failed_load_is_recomputed_and_then_stored() -> None:
     load = s.on_alloc("r", gpu_blocks(6), n)
     assert load is not None
     s.on_load_done(load.job_id, success=False)
+    assert s.build_step({}) == []  # not scheduled yet: the blocks hold nothing of r's
     (store,) = s.build_step({"r": 24})  # the engine recomputed everything
     assert store.first_block == 0 and store.gpu_block_ids == tuple(gpu_blocks(6))
 

@@ -99,3 +99,17 @@ async def test_a_master_down_and_back(redis_cluster: RedisClusterProcesses, make
     for srv in (wt, wb):
         assert sum("redis tier degraded" in line for line in srv.log) == 1
         assert sum("redis tier recovered" in line for line in srv.log) == 1
+
+
+async def test_connections_the_cluster_dropped_are_reopened_not_an_outage(
+        redis_cluster: RedisClusterProcesses, make_server) -> None:
+    srv = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    keys = chain(12, "dropped")
+    data = blocks(keys, 1000)
+    async with AsyncKVClient(srv.addr, namespace="dropped/bf16/tp0") as kv:
+        assert (await kv.put(keys[:6], data[:6])).stored == 6  # the tier's pooled connections are open now
+        for node in redis_cluster.nodes:
+            node.cli("CLIENT", "KILL", "TYPE", "normal")  # an idle timeout, a restart: the connections are gone
+        assert (await kv.put(keys[6:], data[6:])).stored == 6  # (was: Unavailable, the tier degraded)
+        tier = (await kv.stats())["tier"]
+        assert tier["state"] == "ok" and tier["outages"] == 0

@@ -282,8 +282,9 @@ class OffloadScheduler:
         job = self._pop_job(job_id, LoadJob)
         req = self._requests[job.req_id]
         req.loading = None
-        if not success:
+        if not success:  # nothing past the GPU hit is in those blocks until the engine computes it
             req.next_store = req.cursor_before_load
+            req.computed = min(req.computed, req.gpu_hit or 0)
         return self._release(job.req_id, job)
 
     def on_store_done(self, job_id: int, success: bool = True) -> tuple[int, ...]:
