@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence, TextIO
 
 from kvstore import __version__
-from kvstore.config import format_size
+from kvstore.config import format_size, parse_bool
 from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
 from kvstore.keys import check_key
 
@@ -54,16 +54,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _bool(text: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off``."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
 def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     """The options every command takes, before or after the command name.
 
@@ -80,7 +70,7 @@ def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="namespace to work in [KVSTORE_NAMESPACE, default 'default']")
     g.add_argument("--token-file", default=default(_env("TOKEN_FILE")),
                    help="file holding the token (first non-comment line) [KVSTORE_TOKEN_FILE]")
-    g.add_argument("--tls", action="store_true", default=default(_env("TLS", False, _bool)),
+    g.add_argument("--tls", action="store_true", default=default(_env("TLS", False, parse_bool)),
                    help="connect with TLS, verifying against the system CAs [KVSTORE_TLS=1]")
     g.add_argument("--tls-ca", default=default(_env("TLS_CA")),
                    help="verify the server against this CA bundle (implies --tls) [KVSTORE_TLS_CA]")

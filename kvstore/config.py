@@ -31,6 +31,16 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (environment switches); ValueError otherwise."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

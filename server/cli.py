@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from kvstore import __version__
-from kvstore.config import ServerConfig, parse_size
+from kvstore.config import ServerConfig, parse_bool, parse_size
 from kvstore.eviction import POLICIES
 
 from .app import Server
@@ -79,16 +79,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _bool(text: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (environment switches)."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(
@@ -137,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     # same-host transport (docs/shm.md)
     add("--unix", str, d.unix, "also listen on this Unix socket path (mode 0660, removed on exit); "
         "same-host clients use unix:PATH and map the block arena over it")
-    no_shm = _env_default(p, "no_shm", not d.shm, _bool)
+    no_shm = _env_default(p, "no_shm", not d.shm, parse_bool)
     p.add_argument("--no-shm", dest="shm", action="store_false", default=not no_shm,
                    help="never offer the block arena as shared memory on the Unix socket "
                         f"[env {ENV_PREFIX}NO_SHM=1, default: offered when --unix is set]")
