@@ -19,6 +19,7 @@ from kvstore.store import BlockStore
 from .auth import server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
+from .poll import BusyPoll
 from .redis_tier import RedisTier
 from .service import Service
 from .shm import bind_unix_listener, remove_unix_listener
@@ -56,6 +57,7 @@ class Server:
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self.poll: BusyPoll | None = None  # set by start() unless --busy-poll-us 0
         self.port: int | None = None
         self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
 
@@ -66,7 +68,7 @@ class Server:
         if len(self.connections) + handshaking >= self.config.max_connections:
             self.service.counters.connections_rejected += 1
             return RejectedConnection(self.config.max_connections)
-        conn = Connection(self.service, self.limits, self.connections)
+        conn = Connection(self.service, self.limits, self.connections, self.poll.kick if self.poll else None)
         if self.tls is not None:
             self._handshaking.add(conn)
         return conn
@@ -74,6 +76,8 @@ class Server:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        if self.config.busy_poll_us:
+            self.poll = BusyPoll(loop, self.config.busy_poll_us / 1e6)
         if self.tier is not None:
             await self.tier.start()  # a Redis that is down only makes it start degraded
         srv = await loop.create_server(self._new_connection, self.config.host, self.config.port,

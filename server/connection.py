@@ -39,8 +39,10 @@ _OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "g
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, service: Service, limits: Limits, registry: set[Connection]) -> None:
+    def __init__(self, service: Service, limits: Limits, registry: set[Connection],
+                 kick: Callable[[], None] | None = None) -> None:
         self.service = service
+        self.kick = kick  # called after each read (server/poll.py: busy polling), or None
         self.reader = FrameReader(limits, is_server=True)
         self.session = service.new_session()
         svc = service
@@ -108,6 +110,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.unsent:  # a client reading replies while it sends requests: unpin what it has read
             self.release_sent()
         self._process()
+        if self.kick is not None:
+            self.kick()
 
     def eof_received(self) -> bool:
         return False  # close our side too

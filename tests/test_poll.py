@@ -1,0 +1,56 @@
+"""Busy polling (server/poll.py): the loop polls after reads, and an idle server sleeps again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kvstore.client import AsyncKVClient
+from kvstore.server.poll import BusyPoll
+
+
+async def test_a_kick_keeps_the_loop_polling_until_the_window_closes() -> None:
+    loop = asyncio.get_running_loop()
+    poll = BusyPoll(loop, 0.02)
+    poll.kick()
+    assert poll.spinning
+    turns = []
+    for _ in range(3):  # other work still runs while the loop polls
+        await asyncio.sleep(0)
+        turns.append(poll.turns)
+    assert turns == sorted(turns) and turns[-1] > turns[0]
+    await asyncio.sleep(0.1)  # past the window: polling has stopped
+    assert not poll.spinning
+    stopped_at = poll.turns
+    await asyncio.sleep(0.05)
+    assert poll.turns == stopped_at  # nothing polls an idle loop
+    poll.kick()  # and a new read starts it again
+    assert poll.spinning
+    await asyncio.sleep(0.1)
+    assert poll.turns > stopped_at and not poll.spinning
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("flags", [(), ("--busy-poll-us", "0"), ("--busy-poll-us", "5000")])
+async def test_a_server_serves_with_any_window_and_sleeps_once_traffic_stops(make_server, flags) -> None:
+    srv = make_server("--capacity", "8MiB", *flags)
+    async with AsyncKVClient(srv.addr) as c:
+        for i in range(200):
+            key = i.to_bytes(32, "big")
+            assert (await c.put([key], [bytes([i % 256]) * 4096])).stored == 1
+            assert await c.get([key]) == [bytes([i % 256]) * 4096]
+        await asyncio.sleep(0.2)  # longer than any window above
+        assert srv.proc is not None
+        before = _cpu_seconds(srv.proc.pid)
+        time.sleep(1.0)
+        used = _cpu_seconds(srv.proc.pid) - before
+    # A server still polling would have used the whole second; a sleeping one uses ~nothing.
+    assert used < 0.5, f"the server used {used:.2f} s of CPU in 1 s without requests"
