@@ -61,7 +61,7 @@ class ServerConfig:
     log_level: str = "info"
     max_pending_out: int = 64 << 20  # stop reading a connection whose unsent replies exceed this
     prefault: bool = True
-    busy_poll_us: int = 200  # keep polling this long after a read instead of sleeping (server/poll.py); 0 = off
+    busy_poll_us: int = 200  # keep polling this long after a request instead of sleeping (server/poll.py); 0 = off
     # Backing tier (kvstore.server.redis_tier): at most one of redis / redis_cluster.
     redis: str | None = None  # redis://[:password@]host:port/db or rediss://...
     redis_cluster: str | None = None  # "host:port,host:port" (startup nodes of a Redis Cluster)

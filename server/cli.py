@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--page-size", _size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", float, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--busy-poll-us", _count, d.busy_poll_us,
-        "after each read, poll without sleeping for this many microseconds (lower latency, more CPU; 0 = off)")
+        "after each request, poll without sleeping for this many microseconds (lower latency, more CPU; 0 = off)")
     add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
     add("--log-level", str.lower, d.log_level, "log level", choices=["debug", "info", "warning", "error"])
     add("--redis", str, d.redis, "back the store with Redis: redis://[:password@]host:port/db (or rediss://)")

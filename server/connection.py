@@ -42,7 +42,7 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, service: Service, limits: Limits, registry: set[Connection],
                  kick: Callable[[], None] | None = None) -> None:
         self.service = service
-        self.kick = kick  # called after each read (server/poll.py: busy polling), or None
+        self.kick = kick  # called after a read that ends between requests (server/poll.py), or None
         self.reader = FrameReader(limits, is_server=True)
         self.session = service.new_session()
         svc = service
@@ -110,8 +110,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.unsent:  # a client reading replies while it sends requests: unpin what it has read
             self.release_sent()
         self._process()
-        if self.kick is not None:
-            self.kick()
+        if self.kick is not None and not self.reader.in_frame and not self.output_pending:
+            self.kick()  # between requests only: polling mid-payload only makes the reads smaller
 
     def eof_received(self) -> bool:
         return False  # close our side too

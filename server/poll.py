@@ -1,4 +1,4 @@
-"""Busy polling: the event loop stays awake for a short window after the last read.
+"""Busy polling: the event loop stays awake for a short window after each request.
 
 A server that sleeps in ``epoll_wait`` between requests is woken by the kernel
 for each one. On a virtual machine that wake-up, and the cold caches after it,
@@ -8,7 +8,10 @@ requests, 115-125 us with a 200 us window; docs/performance.md). The same idea a
 Linux's ``net.core.busy_poll`` and Seastar's ``--idle-poll-time-us``: keep
 polling, without blocking, for a while after work, so the next request of a busy
 client is read at once. An idle server still sleeps: the window closes
-``window_s`` after the last read.
+``window_s`` after the last request. Connections kick only between requests, with
+nothing left to send: polling while a large payload arrives (or a large reply
+drains) only splits it into more, smaller reads and writes (measured: 0.25 instead
+of 0.18 s of server CPU per GB of 1 MiB x 32 puts).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 
 class BusyPoll:
-    """``kick()`` after each read; the loop then polls without blocking until ``window_s`` has passed."""
+    """``kick()`` after a request; the loop then polls without blocking until ``window_s`` has passed."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float) -> None:
         self.loop = loop

@@ -54,3 +54,28 @@ async def test_a_server_serves_with_any_window_and_sleeps_once_traffic_stops(mak
         used = _cpu_seconds(srv.proc.pid) - before
     # A server still polling would have used the whole second; a sleeping one uses ~nothing.
     assert used < 0.5, f"the server used {used:.2f} s of CPU in 1 s without requests"
+
+
+async def test_the_server_polls_between_requests_not_while_a_payload_arrives() -> None:
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server
+
+    server = Server(ServerConfig(port=0, capacity=64 << 20, log_level="warning"))
+    await server.start()
+    try:
+        assert server.poll is not None  # on by default
+        kicks: list[bool] = []
+        real_kick = server.poll.kick
+        server.poll.kick = lambda: (kicks.append(True), real_kick())[1]  # type: ignore[method-assign]
+        async with AsyncKVClient(f"127.0.0.1:{server.port}", pool_size=1) as c:
+            await c.ping()
+            small = len(kicks)
+            assert small >= 1  # a small request is followed by polling
+            blocks = [bytes([i]) * (4 << 20) for i in range(4)]  # 16 MiB: arrives in many reads
+            assert (await c.put([bytes([i]) * 32 for i in range(4)], blocks)).stored == 4
+            put_kicks = len(kicks) - small
+            received = [conn.received for conn in server.connections]
+        assert sum(received) > 16 << 20
+        assert put_kicks == 1, f"{put_kicks} kicks for one PUT (polling while its payload arrived)"
+    finally:
+        await server.shutdown()

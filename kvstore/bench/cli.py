@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from typing import Any, NamedTuple
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which systems to run")
     p.add_argument("--capacity", default=None, help="kvstore-server capacity for the matrix (default 1GiB, quick 512MiB)")
     p.add_argument("--pool-size", type=int, default=4, help="kvstore client connections")
+    p.add_argument("--server-args", default="",
+                   help="extra kvstore-server flags for the matrix, lookup and concurrency servers "
+                        "(e.g. '--busy-poll-us 0')")
     p.add_argument("--chains", default="1,64,1024", help="prefix-lookup chain lengths")
     p.add_argument("--lookup-reps", type=int, help="lookups per trial")
     p.add_argument("--clients", default="1,8,64", help="concurrency sweep: clients")
@@ -106,12 +110,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     capacity = args.capacity or ("512MiB" if args.quick else "1GiB")
+    server_args = tuple(shlex.split(args.server_args))
     notes: list[str] = []
     res: dict[str, Any] = {
         "bench": "kvstore-bench",
         "config": {"sizes": sizes, "batches": batches, "trials": trials, "target_bytes": target_bytes,
                    "min_seconds": min_seconds, "min_rounds": min_rounds,
                    "systems": systems, "capacity": capacity, "pool_size": args.pool_size, "quick": args.quick,
+                   "server_args": server_args,
                    "argv": sys.argv[1:]},
         "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
                  "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}},
@@ -125,11 +131,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "raw" in systems:
             targets.append(RawTarget())
         if "kvstore" in systems:
-            kv = KVStoreTarget(capacity, pool_size=args.pool_size)
+            kv = KVStoreTarget(capacity, pool_size=args.pool_size, server_args=server_args)
             targets.append(kv)
         for transport in ("unix", "shm"):  # same-host transports, beside TCP in the same cells
             if KVStoreTarget.NAMES[transport] in systems:
-                targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, transport=transport))
+                targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, server_args=server_args,
+                                             transport=transport))
         if "redis" in systems:
             if RedisTarget.available(args.redis_server):
                 redis = RedisTarget(parse_size(capacity), args.redis_server)
