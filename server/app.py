@@ -68,7 +68,7 @@ class Server:
         if len(self.connections) + handshaking >= self.config.max_connections:
             self.service.counters.connections_rejected += 1
             return RejectedConnection(self.config.max_connections)
-        conn = Connection(self.service, self.limits, self.connections, self.poll.kick if self.poll else None)
+        conn = Connection(self.service, self.limits, self.connections, self.poll)
         if self.tls is not None:
             self._handshaking.add(conn)
         return conn

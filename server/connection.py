@@ -27,6 +27,7 @@ from kvstore.protocol import (
 from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
 from kvstore.store import BlockRef
 
+from .poll import BusyPoll
 from .service import GetResult, PutSink, Service, error_fields
 from .shm import unix_peer
 
@@ -40,9 +41,9 @@ _OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "g
 
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, service: Service, limits: Limits, registry: set[Connection],
-                 kick: Callable[[], None] | None = None) -> None:
+                 poll: BusyPoll | None = None) -> None:
         self.service = service
-        self.kick = kick  # called after a read that ends between requests (server/poll.py), or None
+        self.poll = poll  # the server's busy polling (None: off)
         self.reader = FrameReader(limits, is_server=True)
         self.session = service.new_session()
         svc = service
@@ -110,8 +111,11 @@ class Connection(asyncio.BufferedProtocol):
         if self.unsent:  # a client reading replies while it sends requests: unpin what it has read
             self.release_sent()
         self._process()
-        if self.kick is not None and not self.reader.in_frame and not self.output_pending:
-            self.kick()  # between requests only: polling mid-payload only makes the reads smaller
+        if self.poll is not None:
+            if self.reader.in_frame or self.output_pending:
+                self.poll.stop()  # polling while a payload arrives or a reply drains only makes reads smaller
+            else:
+                self.poll.kick()
 
     def eof_received(self) -> bool:
         return False  # close our side too
