@@ -12,11 +12,16 @@ client is read at once. An idle server still sleeps: the window closes
 with nothing left to send, and stops the polling while a payload arrives or a
 reply drains: polling then only splits the transfer into more, smaller reads and
 writes (measured: 0.25 instead of 0.18 s of server CPU per GB of 1 MiB x 32 puts).
+Each polling turn yields the core (``sched_yield``): a thread or process that
+wants it -- the client's copy threads on a small host -- runs first (measured: same
+single-request latency as without the yield, and shm puts no slower than with
+polling off).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 
@@ -43,6 +48,7 @@ class BusyPoll:
     def _spin(self) -> None:
         # A ready callback makes the loop poll its sockets with a zero timeout instead of sleeping.
         self.turns += 1
+        os.sched_yield()  # but let anything else that wants this core have it first
         if time.perf_counter() < self.until:
             self.loop.call_soon(self._spin)
         else:
