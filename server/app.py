@@ -57,7 +57,8 @@ class Server:
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self.poll: BusyPoll | None = None  # set by start() unless --busy-poll-us 0
+        self.poll = BusyPoll(config.busy_poll_us / 1e6) if config.busy_poll_us else None
+        self.service.poll = self.poll
         self.port: int | None = None
         self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
 
@@ -76,8 +77,6 @@ class Server:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        if self.config.busy_poll_us:
-            self.poll = BusyPoll(loop, self.config.busy_poll_us / 1e6)
         if self.tier is not None:
             await self.tier.start()  # a Redis that is down only makes it start degraded
         srv = await loop.create_server(self._new_connection, self.config.host, self.config.port,

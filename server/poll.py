@@ -28,18 +28,26 @@ import time
 class BusyPoll:
     """``kick()`` after a request; the loop then polls without blocking until ``window_s`` has passed."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float) -> None:
-        self.loop = loop
+    def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.until = 0.0
         self.spinning = False
         self.turns = 0  # loop iterations spent polling
+        self._polled_s = 0.0  # wall time of the polling spells that ended
+        self._since = 0.0  # when the current spell began
+
+    @property
+    def seconds(self) -> float:
+        """Wall time spent polling so far: what the window costs (about a core while it polls)."""
+        return self._polled_s + (time.perf_counter() - self._since if self.spinning else 0.0)
 
     def kick(self) -> None:
-        self.until = time.perf_counter() + self.window_s
+        self.until = now = time.perf_counter()
+        self.until += self.window_s
         if not self.spinning:
             self.spinning = True
-            self.loop.call_soon(self._spin)
+            self._since = now
+            asyncio.get_running_loop().call_soon(self._spin)
 
     def stop(self) -> None:
         """Sleep when the loop next may: a transfer is under way (it wakes the loop itself)."""
@@ -49,10 +57,12 @@ class BusyPoll:
         # A ready callback makes the loop poll its sockets with a zero timeout instead of sleeping.
         self.turns += 1
         os.sched_yield()  # but let anything else that wants this core have it first
-        if time.perf_counter() < self.until:
-            self.loop.call_soon(self._spin)
+        now = time.perf_counter()
+        if now < self.until:
+            asyncio.get_running_loop().call_soon(self._spin)
         else:
             self.spinning = False
+            self._polled_s += now - self._since
 
 
 __all__ = ["BusyPoll"]

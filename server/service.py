@@ -27,6 +27,7 @@ from kvstore.store import BlockRef, BlockStore, Reservation
 
 from .auth import Grant, TokenTable
 from .metrics import LatencyHistograms
+from .poll import BusyPoll
 from .tier import Tier, TierBlock
 
 if TYPE_CHECKING:
@@ -231,6 +232,7 @@ class Service:
         from .shm import ShmService  # imported here: shm builds on this module's PutSink and GetResult
 
         self.shm = ShmService(self)
+        self.poll: BusyPoll | None = None  # the server's busy polling (server/poll.py), for STATS
 
     # -- session set-up
     def new_session(self) -> Session:
@@ -444,6 +446,8 @@ class Service:
             "bytes_out": c.bytes_out,
             "tier": self.tier.stats() if self.tier is not None else None,
             "shm": self.shm.stats(),
+            "busy_poll": {"window_us": self.config.busy_poll_us,
+                          "seconds": round(self.poll.seconds, 6) if self.poll is not None else 0.0},
         }
 
 

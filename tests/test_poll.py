@@ -1,4 +1,4 @@
-"""Busy polling (server/poll.py): the loop polls after reads, and an idle server sleeps again."""
+"""Busy polling (server/poll.py): the loop polls after requests, and an idle server sleeps again."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from kvstore.server.poll import BusyPoll
 
 
 async def test_a_kick_keeps_the_loop_polling_until_the_window_closes() -> None:
-    loop = asyncio.get_running_loop()
-    poll = BusyPoll(loop, 0.02)
+    poll = BusyPoll(0.02)
     poll.kick()
     assert poll.spinning
     turns = []
@@ -24,9 +23,11 @@ async def test_a_kick_keeps_the_loop_polling_until_the_window_closes() -> None:
     assert turns == sorted(turns) and turns[-1] > turns[0]
     await asyncio.sleep(0.1)  # past the window: polling has stopped
     assert not poll.spinning
+    polled = poll.seconds
+    assert polled >= 0.02  # it polled for the window
     stopped_at = poll.turns
     await asyncio.sleep(0.05)
-    assert poll.turns == stopped_at  # nothing polls an idle loop
+    assert poll.turns == stopped_at and poll.seconds == polled  # nothing polls an idle loop
     poll.kick()  # and a new read starts it again
     assert poll.spinning
     await asyncio.sleep(0.1)
@@ -52,6 +53,10 @@ async def test_a_server_serves_with_any_window_and_sleeps_once_traffic_stops(mak
         before = _cpu_seconds(srv.proc.pid)
         time.sleep(1.0)
         used = _cpu_seconds(srv.proc.pid) - before
+        polled = (await c.stats())["busy_poll"]
+    window = int(flags[1]) if flags else 200
+    assert polled["window_us"] == window
+    assert (polled["seconds"] > 0) == (window > 0)  # what polling cost, for the operator
     # A server still polling would have used the whole second; a sleeping one uses ~nothing.
     assert used < 0.5, f"the server used {used:.2f} s of CPU in 1 s without requests"
 
