@@ -189,6 +189,12 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         f"connections {st.get('connections', 0)} open, {st.get('connections_total', 0)} accepted, "
         f"{st.get('connections_rejected', 0)} refused",
     ]
+    poll = st.get("busy_poll") or {}
+    if poll.get("window_us"):
+        lines.append(f"polling     {poll['window_us']} us after each request (--busy-poll-us), "
+                     f"{poll.get('seconds', 0.0):.2f} s so far")
+    else:
+        lines.append("polling     off (sleeps between requests)")
     tier = st.get("tier")
     if tier:
         lines.append(f"tier        {tier.get('state', '?')} ({tier.get('mode', '?')}), backlog "

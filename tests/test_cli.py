@@ -69,6 +69,7 @@ def test_stats_namespaces_ping_watch(server) -> None:
     r = cli("stats", addr=server.addr, env=env)
     text = r.stdout.decode()
     assert r.returncode == 0 and "2 in 1 namespace(s)" in text and "memory" in text and "tier" in text
+    assert "polling     200 us after each request" in text
     r = cli("stats", "--json", addr=server.addr)
     st = json.loads(r.stdout)
     assert st["namespaces"]["llama/tp0"] == {"blocks": 2, "bytes": 4000}
