@@ -66,6 +66,14 @@ def _count(text: str) -> int:
     return value
 
 
+def _poll_window(text: str) -> int:
+    """Microseconds of busy polling: 0 (off) up to 10 ms; a longer window only burns a core longer."""
+    value = _count(text)
+    if value > 10_000:
+        raise argparse.ArgumentTypeError(f"at most 10000 microseconds, got {text!r}")
+    return value
+
+
 def _policy(text: str) -> str:
     if text not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown eviction policy {text!r}; choose one of {', '.join(POLICIES)}")
@@ -99,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
     add("--page-size", _size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", float, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
-    add("--busy-poll-us", _count, d.busy_poll_us,
+    add("--busy-poll-us", _poll_window, d.busy_poll_us,
         "after each request, poll without sleeping for this many microseconds (lower latency, more CPU; 0 = off)")
     add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
     add("--log-level", str.lower, d.log_level, "log level", choices=["debug", "info", "warning", "error"])

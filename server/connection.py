@@ -114,7 +114,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.poll is not None:
             if self.reader.in_frame or self.output_pending:
                 self.poll.stop()  # polling while a payload arrives or a reply drains only makes reads smaller
-            else:
+            elif not self.closing:
                 self.poll.kick()
 
     def eof_received(self) -> bool:
@@ -133,6 +133,10 @@ class Connection(asyncio.BufferedProtocol):
             if self.transport is not None and not self.closing:
                 self.transport.resume_reading()
                 self._process()  # frames that were already buffered when reading paused
+        if self.poll is not None and not (self.closing or self.output_pending or self.reader.in_frame):
+            # The reply is out: between requests now. (Over TLS every reply pauses writing for a
+            # moment, high=0 counting its handover to the SSL layer, so this is where TLS kicks.)
+            self.poll.kick()
         self._update_idle()
 
     # -- frame handling

@@ -107,7 +107,7 @@ class KVStoreCollector:
         yield CounterMetricFamily("kvstore_bytes_in", "Bytes received from clients", value=snap["bytes_in"])
         yield CounterMetricFamily("kvstore_bytes_out", "Bytes sent to clients", value=snap["bytes_out"])
         yield CounterMetricFamily("kvstore_busy_poll_seconds",
-                                  "Seconds the server polled for requests instead of sleeping (--busy-poll-us)",
+                                  "Seconds the server polled with nothing to do instead of sleeping (--busy-poll-us)",
                                   value=snap["busy_poll"]["seconds"])
 
     @staticmethod

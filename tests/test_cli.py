@@ -196,7 +196,8 @@ def server_run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[s
 
 @pytest.mark.parametrize(("name", "value"), [
     ("LOG_LEVEL", "verbose"), ("LOG_FORMAT", "xml"), ("REDIS_MODE", "bogus"), ("EVICTION", "fifo"),
-    ("REDIS_TTL", "-1"), ("PORT", "99999"), ("NO_SHM", "maybe"), ("BUSY_POLL_US", "-5")])
+    ("REDIS_TTL", "-1"), ("PORT", "99999"), ("NO_SHM", "maybe"), ("BUSY_POLL_US", "-5"),
+    ("BUSY_POLL_US", "20000")])
 def test_server_checks_an_environment_value_as_it_checks_the_flag(name: str, value: str) -> None:
     r = server_run(env={f"KVSTORE_{name}": value})
     assert r.returncode == 2 and f"kvstore-server: error: bad KVSTORE_{name}='{value}'" in r.stderr, r.stderr
@@ -204,7 +205,7 @@ def test_server_checks_an_environment_value_as_it_checks_the_flag(name: str, val
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--redis-ttl", "-1"), ("--port", "99999"), ("--max-connections", "-1"),
-                                              ("--busy-poll-us", "-1")])
+                                              ("--busy-poll-us", "-1"), ("--busy-poll-us", "10001")])
 def test_server_refuses_out_of_range_flags(flag: str, value: str) -> None:
     r = server_run(flag, value, env={})
     assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr
