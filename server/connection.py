@@ -121,6 +121,10 @@ class Connection(asyncio.BufferedProtocol):
         return False  # close our side too
 
     def pause_writing(self) -> None:
+        if self.transport is not None and not self.transport.get_write_buffer_size():
+            # A TLS transport pauses at an empty buffer too (0 >= high-water 0), and resumes at its
+            # next check: nothing is pending, and taking it for pending kept idle connections busy.
+            return
         self.output_pending = True
         if self.transport is not None and self.transport.get_write_buffer_size() > self.service.config.max_pending_out:
             self._pause_reading()
@@ -133,10 +137,8 @@ class Connection(asyncio.BufferedProtocol):
             if self.transport is not None and not self.closing:
                 self.transport.resume_reading()
                 self._process()  # frames that were already buffered when reading paused
-        if self.poll is not None and not (self.closing or self.output_pending or self.reader.in_frame):
-            # The reply is out: between requests now. (Over TLS every reply pauses writing for a
-            # moment, high=0 counting its handover to the SSL layer, so this is where TLS kicks.)
-            self.poll.kick()
+        if self.poll is not None and not (self.closing or self.draining or self.output_pending or self.reader.in_frame):
+            self.poll.kick()  # the reply is out: between requests now
         self._update_idle()
 
     # -- frame handling

@@ -187,3 +187,30 @@ async def test_protocol_error_code_is_distinct_from_auth(make_server, token_file
     data = await asyncio.wait_for(reader.read(4096), 5)
     writer.close()
     assert replies(data) == [(0xFF, 0)] and bytes([PROTOCOL_ERROR_CODE]) in data
+
+
+@pytest.mark.parametrize("send", ["two requests in one write", "one request in two writes"])
+def test_an_idle_tls_connection_times_out_whatever_its_last_read_held(make_server, tls_files: dict[str, Path],
+                                                                      send: str) -> None:
+    # A TLS transport pauses writing at an empty buffer too (and resumes at its next check), so a read
+    # that wrote no reply, or two, left the connection looking as if it still had output to send:
+    # it never timed out, and a SIGTERM drain waited --drain-seconds for it.
+    srv = make_server("--capacity", "8MiB", "--idle-timeout", "1", "--tls-cert", str(tls_files["cert"]),
+                      "--tls-key", str(tls_files["key"]))
+    ctx = ssl.create_default_context(cafile=str(tls_files["ca"]))
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", srv.port)), server_hostname="localhost") as s:
+        ping = frames(Ping())
+        if send == "two requests in one write":
+            s.sendall(ping + ping)
+            want = 2
+        else:
+            s.sendall(ping[:8])
+            time.sleep(0.1)
+            s.sendall(ping[8:])
+            want = 1
+        s.settimeout(5)
+        got = b""
+        while got.count(b"KV") < want:
+            got += s.recv(65536)
+        s.settimeout(10)  # the idle timeout is 1 s (checked every 0.25 s): the server closes long before
+        assert s.recv(65536) == b"", "the server kept an idle TLS connection open"
