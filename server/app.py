@@ -19,7 +19,6 @@ from kvstore.store import BlockStore
 from .auth import server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
-from .poll import BusyPoll
 from .redis_tier import RedisTier
 from .service import Service
 from .shm import bind_unix_listener, remove_unix_listener
@@ -57,8 +56,7 @@ class Server:
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self.poll = BusyPoll(config.busy_poll_us / 1e6) if config.busy_poll_us else None
-        self.service.poll = self.poll
+        self.poll = self.service.poll  # None: --busy-poll-us 0
         self.port: int | None = None
         self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
 

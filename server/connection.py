@@ -111,11 +111,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.unsent:  # a client reading replies while it sends requests: unpin what it has read
             self.release_sent()
         self._process()
-        if self.poll is not None:
-            if self.reader.in_frame or self.output_pending:
-                self.poll.stop()  # polling while a payload arrives or a reply drains only makes reads smaller
-            elif not self.closing:
-                self.poll.kick()
+        self._poll()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -137,9 +133,18 @@ class Connection(asyncio.BufferedProtocol):
             if self.transport is not None and not self.closing:
                 self.transport.resume_reading()
                 self._process()  # frames that were already buffered when reading paused
-        if self.poll is not None and not (self.closing or self.draining or self.output_pending or self.reader.in_frame):
-            self.poll.kick()  # the reply is out: between requests now
+        self._poll()  # the reply is out: between requests now, unless more was written
         self._update_idle()
+
+    def _poll(self) -> None:
+        """Busy polling (server/poll.py): open the server's window between requests; close it while a
+        transfer runs (polling while a payload arrives or a reply drains only makes reads smaller)."""
+        if self.poll is None:
+            return
+        if self.reader.in_frame or self.output_pending:
+            self.poll.stop()
+        elif not (self.closing or self.draining):
+            self.poll.kick()
 
     # -- frame handling
     def _process(self) -> None:

@@ -12,8 +12,9 @@ client is read at once. An idle server still sleeps: the window closes
 
 The window is the server's. A connection opens it once it has answered a request
 and has nothing left to send (after parsing, or when a large reply has drained),
-and closes it early while a payload arrives or a reply drains: polling then only splits the transfer into more, smaller reads and
-writes (measured: 0.25 instead of 0.18 s of server CPU per GB of 1 MiB x 32 puts).
+and closes it early while a payload arrives or a reply drains: polling then only
+splits the transfer into more, smaller reads and writes (measured: 0.25 instead of
+0.18 s of server CPU per GB of 1 MiB x 32 puts).
 Each polling turn yields the core (``sched_yield``): a thread or process that
 wants it -- the client's copy threads on a small host -- runs first (measured: same
 single-request latency as without the yield, and shm puts no slower than with

@@ -232,7 +232,8 @@ class Service:
         from .shm import ShmService  # imported here: shm builds on this module's PutSink and GetResult
 
         self.shm = ShmService(self)
-        self.poll: BusyPoll | None = None  # the server's busy polling (server/poll.py), for STATS
+        # Busy polling (server/poll.py): kicked by the connections, reported in STATS.
+        self.poll = BusyPoll(config.busy_poll_us / 1e6) if config.busy_poll_us else None
 
     # -- session set-up
     def new_session(self) -> Session:
