@@ -251,12 +251,17 @@ def test_helper_threads_share_a_big_batch_and_keep_job_order(monkeypatch: pytest
     def job(i: int) -> Callable[[], tuple[int, str]]:
         return lambda: (i, threading.current_thread().name)
 
-    big = workers.run_parallel([job(i) for i in range(10)], workers.PARALLEL_MIN)
+    enough = max(workers.PARALLEL_MIN, 10 * workers.JOB_MIN)
+    big = workers.run_parallel([job(i) for i in range(10)], enough)
     assert [i for i, _ in big] == list(range(10))
     names = {name for _, name in big}
     assert threading.current_thread().name in names and any(n.startswith("kvstore-client") for n in names)
+    me = {threading.current_thread().name}
     small = workers.run_parallel([job(i) for i in range(10)], workers.PARALLEL_MIN - 1)
-    assert {name for _, name in small} == {threading.current_thread().name}  # inline
+    assert {name for _, name in small} == me  # inline: too few bytes for a hand-off
+    many_small = workers.run_parallel([job(i) for i in range(64)], 64 * workers.JOB_MIN - 1)
+    assert [i for i, _ in many_small] == list(range(64)) and {name for _, name in many_small} == me  # small jobs
+    assert workers.PARALLEL_MIN <= 64 * workers.JOB_MIN - 1  # (so it was the jobs' size that kept them inline)
 
 
 async def test_a_big_put_hashed_on_helper_threads_stores_each_blocks_own_checksum(

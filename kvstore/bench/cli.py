@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), e.g. to tell which hosts' copy speeds a run can be compared with."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -120,6 +129,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "server_args": server_args,
                    "argv": sys.argv[1:]},
         "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
+                 "cpu": _cpu_model(), "libc": " ".join(platform.libc_ver()),
                  "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}},
         "notes": notes,
     }
