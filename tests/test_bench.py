@@ -100,6 +100,18 @@ def test_ratios_and_targets() -> None:
     assert "1MiB" in matrix_table(rows)
 
 
+def test_copy_probe_reports_both_directions_for_each_size(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.bench import copy
+
+    res = copy.measure([4096, 65536], batch=4, trials=2, arena_bytes=1 << 20)
+    assert set(res) == {"get", "put"}
+    assert all(set(res[d]) == {4096, 65536} and all(0 < v < float("inf") for v in res[d].values()) for d in res)
+    assert copy.main(["--sizes", "4k,64k", "--batch", "4", "--trials", "1", "--arena-mib", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# glibc") or lines[0].startswith("# ")  # libc and GLIBC_TUNABLES in effect
+    assert [line.split()[0] for line in lines[2:]] == ["4Ki", "64Ki"]
+
+
 def test_profile_summary(tmp_path: Path) -> None:
     raw = tmp_path / "stacks.txt"
     raw.write_text("main (a.py:1);read (libc.so.6) 30\nmain (a.py:1);parse (protocol.py:10) 10\n")
