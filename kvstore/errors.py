@@ -9,9 +9,9 @@
     ├── BlockSizeError                a destination buffer does not fit the block (client side)
     ├── IntegrityError                a block's checksum did not match its bytes
     └── ServerError                   the server answered with an error reply (has ``.code``)
-        ├── InvalidRequest            well-framed but invalid: bad key, bad batch, unknown op
+        ├── InvalidRequest            well-framed but invalid: bad key, bad batch shape
         ├── Unauthorized              missing or wrong token
-        ├── TooLarge                  frame, key or batch over the server's limits
+        ├── TooLarge                  block or batch over the server's limits
         ├── CapacityError             no room even after evicting every unpinned block
         ├── NotFound                  a named thing (lease, namespace) does not exist
         ├── Unavailable               a backing tier the request needs is down

@@ -13,8 +13,10 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# torch first and pinned: a CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q torch==2.13.0
+# torch first and pinned, the CPU build: where pip finds no local CPU wheel (PyPI's Linux wheels are
+# CUDA builds, several GB), point it at one: TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# shellcheck disable=SC2086  # (TORCH_PIP_ARGS is a list of pip options)
+.venv/bin/python -m pip install -q ${TORCH_PIP_ARGS:-} torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
 
 exec .venv/bin/python -m pytest "$@"
