@@ -14,7 +14,7 @@ from kvstore.bench.common import make_keys, parse_sizes, pct
 from kvstore.bench.matrix import rounds_for_time
 from kvstore.bench.targets import RedisTarget
 from kvstore.bench.profile import summarize_collapsed
-from kvstore.bench.report import add_ratios, check_targets, matrix_table
+from kvstore.bench.report import add_ratios, check_targets, matrix_table, targets_table
 
 HAVE_REDIS = shutil.which("redis-server") is not None
 
@@ -100,6 +100,32 @@ def test_ratios_and_targets() -> None:
     assert "1MiB" in matrix_table(rows)
 
 
+def test_targets_are_checked_unrounded_and_say_what_was_not_measured() -> None:
+    """0.795x raw is a MISS although it shows as 0.8; a put is checked against Redis's reads and its
+    ratio to SET is shown; a run without raw rows, lookups or a concurrency sweep says so."""
+    rows = [_row("raw", "up", 4.0), _row("kvstore", "put", 3.18), _row("redis", "set", 3.5),
+            _row("redis", "get", 2.0), _row("kvstore", "put", 3.9, size=4 << 20)]
+    add_ratios(rows)
+    targets = {t["target"]: t for t in check_targets({"matrix": rows})}
+    raw = targets["put 1MiB x32 >= 0.8x raw"]
+    assert (raw["value"], raw["ok"]) == (0.8, False)  # 3.18 / 4.0 = 0.795
+    reads = targets["put 1MiB x32 >= 1.5x redis GET/MGET"]
+    assert (reads["value"], reads["ok"], reads["detail"]) == (1.59, True, "(vs SET 0.91x)")
+    assert (targets["no cell below 1.0x redis"]["value"], targets["no cell below 1.0x redis"]["ok"]) == (0.91, False)
+    for name in ("put 4MiB x32 >= 0.8x raw", "get_into 1MiB x32 >= 0.8x raw", "lookup 1024-key chain p50 <= 1 ms, "
+                 "one round trip", "64 clients >= 0.8x 1 client", "RSS full <= capacity x 1.1 + 64 MiB"):
+        assert (targets[name]["ok"], targets[name]["detail"]) == (None, "not measured"), name
+    assert "n/a " in targets_table(list(targets.values()))
+
+
+def test_concurrency_target_is_against_one_client_whatever_comes_first() -> None:
+    conc = [{"op": "put", "clients": n, "size": 1 << 20, "batch": 4, "gbps": g, "vs_first": None,
+             "p99_over_p50": 2.0} for n, g in ((8, 4.0), (1, 2.0), (64, 3.0))]
+    targets = {t["target"]: t for t in check_targets({"concurrency": conc})}
+    t = targets["put 1MiB x4: 64 clients >= 0.8x 1 client"]
+    assert (t["value"], t["ok"]) == (1.5, True)  # 3.0 / 2.0 (against the 8-client figure it would be 0.75)
+
+
 def test_copy_probe_reports_both_directions_for_each_size(capsys) -> None:  # type: ignore[no-untyped-def]
     from kvstore.bench import copy
 
@@ -138,3 +164,17 @@ async def test_redis_stores_new_keys_and_evicts_as_kvstore_does() -> None:
         assert 0 < await redis.stored_bytes() <= capacity
     finally:
         await redis.stop()
+
+
+async def test_a_kvstore_target_that_fails_to_start_stops_its_server() -> None:
+    from kvstore.bench.targets import KVStoreTarget
+
+    t = KVStoreTarget("16MiB", pool_size=1, server_args=("--no-shm",), transport="shm")
+    try:
+        await t.start()
+    except RuntimeError as exc:
+        assert "shared memory" in str(exc)
+    else:
+        await t.stop()
+        raise AssertionError("a shm target started on a server without shm")
+    assert t.server.proc is not None and t.server.proc.poll() is not None  # the server is gone, not orphaned

@@ -185,6 +185,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 rss["kvstore"] = rss_summary("kvstore", proc_rss(kv.pid), st["bytes"])
                 rss["kvstore"]["capacity"] = st["capacity"]
             if redis is not None:
+                if "fill" not in skip:  # its big replies made it evict (RedisTarget): full again, as kvstore is
+                    await redis.fill()
                 mem = await redis.memory()
                 rss["redis"] = rss_summary("redis", mem["used_memory_rss"], await redis.stored_bytes())
                 rss["redis"]["used_memory"] = mem["used_memory"]

@@ -176,9 +176,9 @@ class LoadMeter:
         self.la0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     def watch(self, pid: int | None) -> None:
-        """Count a process started after the meter (its CPU so far is charged to 'own' from now)."""
+        """Count a process started after the meter as 'own': all its CPU (its start-up too) falls
+        inside the interval, so none of it is subtracted."""
         if pid and pid not in self.pids:
-            self.own0 += self._cpu(pid)
             self.pids.append(pid)
 
     def report(self) -> dict[str, float | int | None]:
