@@ -81,7 +81,9 @@ def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 
         raise InvalidRequest(f"{name} must be a list of {n} integers")
     for v in values:
         if type(v) is not int or not lo <= v <= hi:
-            raise InvalidRequest(f"{name} holds {v!r}, not an integer in {lo}..{hi}")
+            # (named by type unless an int: a wire value's repr may be huge, or nested too deep to make)
+            shown = v if type(v) is int else f"a {type(v).__name__}"
+            raise InvalidRequest(f"{name} holds {shown}, not an integer in {lo}..{hi}")
 
 
 def _check_sizes(sizes: Any, n: int, limits: Limits) -> None:

@@ -289,6 +289,8 @@ class FrameReader:
             msg.validate(payload_len, self.limits)  # type: ignore[attr-defined]
         except (InvalidRequest, TooLarge) as exc:
             return None, exc
+        except Exception as exc:  # e.g. RecursionError on a value nested a thousand deep: still just invalid
+            return None, InvalidRequest(f"invalid {cls.__name__.upper()} meta ({exc.__class__.__name__})")
         return msg, None
 
     def _grow(self, size: int) -> None:

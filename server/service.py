@@ -50,6 +50,7 @@ class Session:
     authenticated: bool = True
     grant: Grant | None = None  # the namespaces its token may use (None: no auth configured)
     unix: bool = False  # came in over the Unix socket (a same-host peer: may map the arena)
+    greeted: bool = False  # a HELLO succeeded on this connection
     shm: ShmSession | None = None  # its open shared-memory handles (kvstore.server.shm)
 
 
@@ -265,6 +266,7 @@ class Service:
             raise InvalidRequest(f"protocol version {msg.version} is not supported (server speaks {VERSION})")
         self.authorize(session, msg)
         session.namespace = msg.namespace
+        session.greeted = True
         return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace,
                 **self.shm.hello_fields(session)}
 

@@ -192,12 +192,14 @@ class ShmService:
         """Answer SHM_ATTACH with the arena's memfd as SCM_RIGHTS ancillary data.
 
         Raises:
-            InvalidRequest: shm not offered, or not on the Unix socket.
+            InvalidRequest: shm not offered, not on the Unix socket, or no HELLO yet.
             Unauthorized: the connection's token is limited to some namespaces.
             Unavailable: the reply could not be sent with the fd now (retry).
         """
         if self.offered and not session.unix:
             raise InvalidRequest("SHM_ATTACH is answered only on the Unix socket (--unix)")
+        if not session.greeted:  # (on a server without tokens, too: the arena goes to a client that said who it is)
+            raise InvalidRequest("SHM_ATTACH needs a successful HELLO on this connection first")
         self._session(session)
         assert self.fd is not None
         arena = self.store.arena

@@ -283,3 +283,33 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
     assert all({"ts", "level", "logger", "msg"} <= set(ev) for ev in lines)
     assert not [ev for ev in lines if ev["level"] in ("error", "critical")], "the fuzz hit an internal error"
     assert not any(MARKER.decode() in line for line in srv.log)
+
+
+async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goes_on(make_server) -> None:
+    """A PUT whose sizes hold a list nested 1000 deep (msgpack allows it; Python's repr does not)
+    used to end in an internal error and a closed connection."""
+    from kvstore.protocol import FrameReader, Frame, NEED_DATA, ErrorReply
+
+    srv = make_server("--capacity", "16MiB", "--log-format", "json")
+    deep: object = 0
+    for _ in range(1000):
+        deep = [deep]
+    meta = msgpack.packb({"keys": [key(0, "deep")], "sizes": [deep], "checksums": []})
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    try:
+        writer.write(HEADER.pack(MAGIC, VERSION, Put.OP, 7, len(meta), 0) + meta)
+        writer.write(b"".join(bytes(b) for b in encode(Ping(), 8)))
+        frames = FrameReader(is_server=False)
+        got: list[Frame] = []
+        while len(got) < 2:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, "the server closed the connection"
+            frames.feed(data)
+            while (ev := frames.next_event()) is not NEED_DATA:
+                got.append(ev)
+    finally:
+        writer.close()
+    assert got[0].request_id == 7 and isinstance(got[0].msg, ErrorReply) and got[0].msg.code == 2  # InvalidRequest
+    assert got[1].request_id == 8 and not isinstance(got[1].msg, ErrorReply)  # and PING still answered
+    assert srv.stop() == 0
+    assert not [line for line in srv.log if '"error"' in line or "Traceback" in line]

@@ -159,6 +159,20 @@ def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
     assert frame.msg is None and isinstance(frame.error, exc)
 
 
+@pytest.mark.parametrize("field", ["sizes", "checksums"])
+def test_a_value_nested_deeper_than_repr_goes_is_an_invalid_request_not_a_crash(field: str) -> None:
+    """msgpack decodes ~1000 levels of lists, more than Python's repr can print: the checks that
+    name a bad value used to raise RecursionError out of the codec (an internal error, connection closed)."""
+    deep: object = 0
+    for _ in range(1000):
+        deep = [deep]
+    meta = {"keys": [b"k"], "sizes": [1], "checksums": [], field: [deep]}
+    data = msgpack.packb(meta)
+    reader = FrameReader(Limits())
+    (frame, done) = events(reader, HEADER.pack(MAGIC, VERSION, Put.OP, 3, len(data), 1) + data + b"x")
+    assert frame.msg is None and isinstance(frame.error, InvalidRequest) and "list" in str(frame.error)
+
+
 def test_put_whose_sizes_lie_about_the_payload_is_invalid() -> None:
     msg = Put(keys=[b"k"], sizes=[10])
     head = encode(msg, 1, [b"x" * 4], payload_len=4)

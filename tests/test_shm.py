@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import CapacityError, Unauthorized
+from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
 from kvstore.protocol import Hello, ShmAttach, ShmPut
 
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
@@ -282,6 +282,18 @@ async def test_only_a_client_with_the_token_can_map_the_segment(make_server: Mak
     async with AsyncKVClient(unix(unix_path), token=TOKEN, namespace="llama/a") as full:
         assert full.nodes[0].shm is not None
         assert [bytes(b) for b in await full.get([key(1, "tok")])] == [b"limited"]
+
+
+async def test_shm_attach_needs_a_hello_first_without_tokens_too(make_server: MakeServer, unix_path: str) -> None:
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    frames, fds = raw_exchange(unix_path, ShmAttach())
+    assert fds == [] and error_code(frames[0]) == InvalidRequest.code  # no descriptor before HELLO
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
+    try:
+        assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- fallbacks
