@@ -164,6 +164,8 @@ class Server:
             srv.close()
         if self.config.unix:
             remove_unix_listener(self.config.unix, self._unix_inode)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_seconds
         for conn in list(self.connections):
             conn.start_drain()
         pending = [asyncio.create_task(c.idle.wait()) for c in self.connections]
@@ -175,9 +177,13 @@ class Server:
                 log.warning("drain timed out; closing %d busy connection(s)", len(not_done))
         for conn in list(self.connections):
             conn.close()
-        for _ in range(100):  # let closing transports flush their last replies
-            if not self.connections:
-                break
+        # Let the closing connections deliver their last replies: while any still has bytes to send
+        # (until the drain deadline, at least a second), not for a peer that only owes a goodbye
+        # (a TLS client that never answers close_notify has nothing left to receive).
+        flush_until = max(deadline, loop.time() + 1.0)
+        quiet = 0
+        while self.connections and loop.time() < flush_until and quiet < 3:
+            quiet = quiet + 1 if all(c.unsent_bytes() == 0 for c in self.connections) else 0
             await asyncio.sleep(0.01)
         for task in self._tasks:
             task.cancel()

@@ -12,9 +12,12 @@ server's memory.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import inspect
 import logging
 import socket
+import struct
+import termios
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable, cast
@@ -314,6 +317,22 @@ class Connection(asyncio.BufferedProtocol):
         if not self.closing and self.transport is not None:
             self.closing = True
             self.transport.close()
+
+    def unsent_bytes(self) -> int:
+        """Bytes written for this peer and not yet gone: the transport's buffer plus the socket's send
+        queue (``SIOCOUTQ``). A TLS transport hands each reply to the layer under it at once and
+        reports an empty buffer, so the socket is where a large reply in flight still shows."""
+        transport = self.transport
+        if transport is None:
+            return 0
+        n = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        try:
+            if sock is not None and sock.fileno() >= 0:
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:  # closed meanwhile, or a socket without a send queue to ask about
+            pass
+        return n
 
     def start_drain(self) -> None:
         """Finish the request in progress, flush its reply, then close."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import ssl
 import struct
@@ -13,7 +14,7 @@ import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized, Unavailable
-from kvstore.protocol import HEADER, Hello, Lookup, Ping, Put, encode
+from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, encode
 
 TOKEN = "s3cret-global-7f3a"
 NS_TOKEN = "ns-only-91bc"
@@ -214,3 +215,57 @@ def test_an_idle_tls_connection_times_out_whatever_its_last_read_held(make_serve
             got += s.recv(65536)
         s.settimeout(10)  # the idle timeout is 1 s (checked every 0.25 s): the server closes long before
         assert s.recv(65536) == b"", "the server kept an idle TLS connection open"
+
+
+def _tls_get(tls_files: dict[str, Path], port: int, k: bytes) -> ssl.SSLSocket:
+    """A raw TLS connection that has asked for block ``k`` (its reply not read yet)."""
+    ctx = ssl.create_default_context(cafile=str(tls_files["ca"]))
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="localhost")
+    s.sendall(frames(Hello(), Get(keys=[k])))
+    return s
+
+
+def test_sigterm_lets_a_slow_tls_reader_finish_its_reply(make_server, tls_files: dict[str, Path]) -> None:
+    """The SSL transport takes a whole reply at once, so the connection looked idle at SIGTERM and
+    was closed with most of a large reply still unsent (5.5 of 64 MiB arrived). The drain now
+    waits, within --drain-seconds, until the socket has sent what it holds."""
+    srv = make_server("--capacity", "96MiB", "--max-block", "64MiB", "--drain-seconds", "20",
+                      "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    k, data = b"slow-reader-key", bytes(range(256)) * (96 << 10)  # 24 MiB
+    put = b"".join(bytes(b) for b in encode(Put(keys=[k], sizes=[len(data)]), 9, [data]))
+    ctx = ssl.create_default_context(cafile=str(tls_files["ca"]))
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", srv.port)), server_hostname="localhost") as s:
+        s.sendall(frames(Hello()) + put)
+        got = b""
+        while len(replies(got)) < 2:
+            got += s.recv(65536)
+    with _tls_get(tls_files, srv.port, k) as s:
+        got = s.recv(65536)
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        since_pause = 0
+        while chunk := s.recv(1 << 20):  # (one TLS record, <= 16 KiB, per call)
+            got += chunk
+            since_pause += len(chunk)
+            if since_pause >= 256 << 10:  # ~10 MiB/s: ~2.5 s for the reply, past the old 1 s grace
+                time.sleep(0.025)
+                since_pause = 0
+        took = time.monotonic() - t0
+    (hello, reply) = replies(got)[:2]
+    assert reply == (Get.OP | 0x80, 2)
+    assert got.endswith(data) and len(got) > len(data), f"{len(got)} bytes arrived in {took:.1f}s"
+    assert srv.proc.wait(10) == 0
+
+
+def test_sigterm_does_not_wait_for_an_idle_tls_peer_to_answer_close_notify(make_server,
+                                                                            tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "8MiB", "--drain-seconds", "20",
+                      "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    ctx = ssl.create_default_context(cafile=str(tls_files["ca"]))
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", srv.port)), server_hostname="localhost") as s:
+        s.sendall(frames(Hello()))
+        assert replies(s.recv(65536))[0][1] == 1
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)  # this client never reads again, nor answers close_notify
+        assert srv.proc.wait(15) == 0
+        assert time.monotonic() - t0 < 5, "shutdown waited for a peer that had nothing left to receive"
