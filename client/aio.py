@@ -28,6 +28,7 @@ from kvstore.protocol import (
     iter_payload,
 )
 
+from . import replies
 from .connection import ClientConnection, Response, open_connection
 from .shm import GetOutcome, ShmChannel, open_channel
 from .sharding import Ring
@@ -135,10 +136,9 @@ class _GetSink:
 
     def __init__(self, fields: dict[str, Any], n: int, buffers: Sequence[memoryview] | None,
                  recycler: _Recycler | None = None, verify: bool = False) -> None:
-        sizes, sums = fields.get("sizes"), fields.get("checksums")
-        if not isinstance(sizes, list) or len(sizes) != n or not isinstance(sums, list) or len(sums) != n:
-            raise ProtocolError("malformed GET reply")
-        self.index = [i for i, s in enumerate(sizes) if type(s) is int and s >= 0]
+        sizes = replies.block_sizes(fields.get("sizes"), n, "GET")
+        sums = replies.checksums(fields.get("checksums"), n, "GET")
+        self.index = [i for i, s in enumerate(sizes) if s >= 0]
         self.sizes = [sizes[i] for i in self.index]
         self.checksums = sums
         self.buffers = buffers
@@ -388,10 +388,7 @@ class AsyncKVClient:
             blocks = _pick(views, idx)
             msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks), parent=before)
             resp = await node.call(msg, blocks, sum(msg.sizes))
-            status, errors = resp.fields.get("status"), resp.fields.get("errors") or {}
-            if not isinstance(status, list) or len(status) != len(idx):
-                raise ProtocolError("malformed PUT reply")
-            return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+            return replies.statuses(resp.fields, len(idx), "PUT")
 
         statuses: list[str] = [""] * len(keys)
         errors: dict[int, KVStoreError] = {}
@@ -514,7 +511,7 @@ class AsyncKVClient:
         """Delete every block of a namespace (this client's by default) on every server."""
         resps = await asyncio.gather(*(n.call(Flush(namespace=namespace or self.namespace), idempotent=True)
                                        for n in self.nodes))
-        return sum(_int_field(r, "n") for r in resps)
+        return sum(replies.count(r.fields, "n") for r in resps)
 
     async def stats(self) -> dict[str, Any]:
         """The server's statistics; with several servers, ``{"servers": {addr: stats}}``."""
@@ -540,10 +537,7 @@ class AsyncKVClient:
     async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
         async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
             resp = await node.call(make(_pick(keys, idx)))
-            vals = resp.fields.get(name)
-            if not isinstance(vals, list) or len(vals) != len(idx):
-                raise ProtocolError(f"malformed reply: {name}")
-            return [bool(v) for v in vals]
+            return replies.bools(resp.fields.get(name), len(idx), name)
 
         out = [False] * len(keys)
         for idx, vals in await self._per_node(keys, one):
@@ -553,7 +547,7 @@ class AsyncKVClient:
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            return _int_field(await node.call(make(_pick(keys, idx)), idempotent=idempotent), "n")
+            return replies.count((await node.call(make(_pick(keys, idx)), idempotent=idempotent)).fields, "n")
 
         return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
 
@@ -564,13 +558,6 @@ def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: A
     exc = type(first)(f"{len(errors)} of {n} blocks {what}: {first}")
     exc.result = result  # type: ignore[attr-defined]
     raise exc
-
-
-def _int_field(resp: Response, name: str) -> int:
-    v = resp.fields.get(name)
-    if type(v) is not int:
-        raise ProtocolError(f"malformed reply: {name}")
-    return v
 
 
 def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:

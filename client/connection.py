@@ -100,6 +100,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         if p is None:
             raise ProtocolError(f"reply to unknown request {frame.request_id}")
         if isinstance(msg, ErrorReply):
+            if frame.payload_len:  # (its bytes would be read as another reply's)
+                raise ProtocolError("error reply with a payload")
             del self.pending[frame.request_id]
             if not p.future.done():
                 p.future.set_exception(from_code(msg.code, msg.message))
@@ -160,17 +162,23 @@ class ClientConnection(asyncio.BufferedProtocol):
             if timer is not None:
                 timer.cancel()
 
-    def post(self, msg: Message) -> None:
+    def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
 
         A connection that is already closed sends nothing: a caller posting a
         release relies on the server dropping a closed connection's pins anyway.
+        An answer that does not come within ``timeout`` ends the connection, as
+        for :meth:`request` (a server that stopped answering; the request is not
+        left pending forever).
         """
         try:
             fut = self._send(msg)
         except KVStoreError:
             return
         fut.add_done_callback(_drop_outcome)
+        if timeout:
+            timer = fut.get_loop().call_later(timeout, self._time_out, fut, timeout)
+            fut.add_done_callback(lambda _: timer.cancel())
 
     def _send(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
               make_sink: SinkFactory | None = None) -> asyncio.Future[Any]:

@@ -44,6 +44,7 @@ from kvstore.protocol import (
     ShmRelease, encode,
 )
 
+from . import replies
 from .connection import ClientConnection, Response
 from .workers import run_parallel
 
@@ -79,17 +80,19 @@ class ShmSegment:
         """The arena byte ranges ``[[offset, length], ...]`` as views, checked against the mapping.
 
         Raises:
-            ProtocolError: a range outside the mapping (never trust an offset blindly).
+            ProtocolError: a range outside the mapping, or ranges that overlap (never trust an
+                offset blindly; nor a block that names the same bytes many times over).
         """
         if not isinstance(loc, list):
             raise ProtocolError("malformed shm location")
-        out = []
         for item in loc:
             if (not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int
                     or type(item[1]) is not int or item[0] < 0 or item[1] < 0 or item[0] + item[1] > self.size):
-                raise ProtocolError(f"shm location {item!r} is outside the {self.size}-byte arena")
-            out.append(self.buffer[item[0]:item[0] + item[1]])
-        return out
+                raise ProtocolError(f"a shm location is malformed or outside the {self.size}-byte arena")
+        spans = sorted(loc)
+        if any(nxt[0] < cur[0] + cur[1] for cur, nxt in zip(spans, spans[1:])):
+            raise ProtocolError("a shm location's ranges overlap")
+        return [self.buffer[start:start + n] for start, n in loc]
 
     def close(self) -> None:
         """Unmap (left to the garbage collector if a view of it is still alive somewhere)."""
@@ -106,9 +109,11 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float, popu
     Raises:
         Unauthorized, InvalidRequest, ...: the server refused (wrong token,
             namespace-limited token, shm not offered).
-        TransportError: the socket could not be reached or closed early.
+        TransportError: the socket could not be reached, closed early, or did not answer
+            within ``timeout`` seconds in all (a reply trickling in does not extend it).
         ProtocolError: the reply made no sense or carried no descriptor.
     """
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     fds: list[int] = []
@@ -118,8 +123,8 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float, popu
         except OSError as exc:
             raise TransportError(f"cannot connect to unix:{path}: {exc.strerror or exc}") from None
         reader = FrameReader(is_server=False)
-        _ask(sock, reader, Hello(namespace=namespace, token=token, client="kvstore-py-shm"), 1, fds)
-        fields = _ask(sock, reader, ShmAttach(), 2, fds)
+        _ask(sock, reader, Hello(namespace=namespace, token=token, client="kvstore-py-shm"), 1, fds, deadline)
+        fields = _ask(sock, reader, ShmAttach(), 2, fds, deadline)
         if len(fds) != 1:
             raise ProtocolError(f"SHM_ATTACH reply carried {len(fds)} descriptors, not 1")
         return _map(fds[0], fields, populate)
@@ -129,14 +134,20 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float, popu
             os.close(fd)
 
 
-def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: list[int]) -> dict[str, Any]:
-    """Send one request and read its (payload-less) reply, collecting passed descriptors."""
-    sock.sendall(b"".join(bytes(b) for b in encode(msg, rid)))
+def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: list[int],
+         deadline: float) -> dict[str, Any]:
+    """Send one request and read its (payload-less) reply by ``deadline``, collecting passed descriptors."""
+    try:
+        _until(sock, deadline)
+        sock.sendall(b"".join(bytes(b) for b in encode(msg, rid)))
+    except OSError as exc:
+        raise _attach_error(exc) from None
     while True:
         try:
+            _until(sock, deadline)
             data, got, flags, _ = socket.recv_fds(sock, 65536, _MAX_FDS)
         except OSError as exc:
-            raise TransportError(f"shm attach: {exc.strerror or exc}") from None
+            raise _attach_error(exc) from None
         fds.extend(got)
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError("shm attach: ancillary data truncated")
@@ -151,6 +162,21 @@ def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: 
                 raise from_code(event.msg.code, event.msg.message)
             assert isinstance(event.msg, Reply)
             return event.msg.fields
+
+
+_TIMED_OUT = "shm attach: no complete answer within the connect timeout"
+
+
+def _until(sock: socket.socket, deadline: float) -> None:
+    """The socket's timeout: what is left until ``deadline`` (a trickling reply does not extend it)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError(_TIMED_OUT)
+    sock.settimeout(left)
+
+
+def _attach_error(exc: OSError) -> TransportError:
+    return TransportError(_TIMED_OUT if isinstance(exc, TimeoutError) else f"shm attach: {exc.strerror or exc}")
 
 
 def _map(fd: int, fields: dict[str, Any], populate: bool) -> ShmSegment:
@@ -222,11 +248,11 @@ class _InlineSink:
     """Receives the blocks an SHM_GET reply carries inline (tier blocks not in the arena)."""
 
     def __init__(self, fields: dict[str, Any], buffers: Sequence[memoryview] | None, outcome: GetOutcome) -> None:
-        sizes, locs = fields.get("sizes"), fields.get("locs")
         n = len(outcome.out)
-        if not isinstance(sizes, list) or len(sizes) != n or not isinstance(locs, list) or len(locs) != n:
+        sizes, locs = replies.block_sizes(fields.get("sizes"), n, "SHM_GET"), fields.get("locs")
+        if not isinstance(locs, list) or len(locs) != n:
             raise ProtocolError("malformed SHM_GET reply")
-        self.index = [i for i, s in enumerate(sizes) if type(s) is int and s >= 0 and locs[i] is None]
+        self.index = [i for i, s in enumerate(sizes) if s >= 0 and locs[i] is None]
         self.sizes = [sizes[i] for i in self.index]
         self.buffers = buffers
         self.outcome = outcome
@@ -285,7 +311,8 @@ class ShmChannel:
             channel = self.node.shm
             if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
                 raise TransportError(f"{self.node.addr} restarted without shared memory; retry on the socket")
-            if (conn.hello.get("shm") or {}).get("instance") != channel.segment.instance:
+            info = conn.hello.get("shm")
+            if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
                 conn.abort(TransportError("connection to another server instance than the mapped arena"))
                 continue  # locations from that server would point into a different arena
             try:
@@ -310,16 +337,20 @@ class ShmChannel:
                                    make_sink=lambda f: _InlineSink(f, buffers, outcome))
         fields = resp.fields
         sizes, sums, locs, handle = (fields.get(k) for k in ("sizes", "checksums", "locs", "handle"))
-        if (not isinstance(sizes, list) or not isinstance(sums, list) or not isinstance(locs, list)
-                or not len(sizes) == len(sums) == len(locs) == len(keys) or type(handle) is not int):
+        try:
+            sizes = replies.block_sizes(sizes, len(keys), "SHM_GET")
+            sums = replies.checksums(sums, len(keys), "SHM_GET")
+            if not isinstance(locs, list) or len(locs) != len(keys) or type(handle) is not int:
+                raise ProtocolError("malformed SHM_GET reply")
+        except ProtocolError:
             if type(handle) is int and handle:
                 await self._release(conn, handle)
-            raise ProtocolError("malformed SHM_GET reply")
+            raise
         try:
             all_verified = self._copy_out(keys, sizes, sums, locs, buffers, verify, outcome)
         except BaseException:
             if handle:
-                conn.post(ShmRelease(handle=handle))
+                conn.post(ShmRelease(handle=handle), timeout=self.client.timeout)
             raise
         if not handle:
             return outcome
@@ -327,7 +358,7 @@ class ShmChannel:
             # Every block copied matched the checksum it was stored with, so what
             # the caller got *is* each block, whether or not the pins lasted: the
             # release needs no answer, and the get saves a round trip.
-            conn.post(ShmRelease(handle=handle))
+            conn.post(ShmRelease(handle=handle), timeout=self.client.timeout)
             return outcome
         if not await self._release(conn, handle):
             raise RequestTimeout(f"{self.node.addr}: shared-memory read pins expired before the copy finished "
@@ -397,10 +428,7 @@ class ShmChannel:
                 await self._release(conn, handle)  # abort the reservations rather than publish them
                 raise
             fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
-        status, errors = fields.get("status"), fields.get("errors") or {}
-        if not isinstance(status, list) or len(status) != len(keys) or not isinstance(errors, dict):
-            raise ProtocolError("malformed SHM_PUT/SHM_COMMIT reply")
-        return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+        return replies.statuses(fields, len(keys), "SHM_PUT/SHM_COMMIT")
 
     def _copy_in(self, locs: list[Any], views: list[memoryview]) -> list[int]:
         """Copy each block into its reserved slot (in parallel); their checksums, 0 where not reserved."""
