@@ -251,6 +251,9 @@ class AsyncKVClient:
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
         pool_size: connections per server.
         timeout: seconds a request may take before ``RequestTimeout``.
+        connect_timeout: seconds to connect, say HELLO and map a same-host server's arena
+            (None: no limit); with ``retries``, a server that never answers costs up to
+            ``connect_timeout * (1 + retries)`` before ``TransportError``.
         retries: retries of a request after a transport error (never of a pinning lookup,
             an unpinning get or an unpin: the server may have run them already).
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).
@@ -268,7 +271,7 @@ class AsyncKVClient:
 
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", *, namespace: str = "default",
                  token: str | None = None, tls: ssl.SSLContext | bool | str | None = None, pool_size: int = 4,
-                 timeout: float = 30.0, connect_timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
+                 timeout: float = 30.0, connect_timeout: float | None = 5.0, retries: int = 2, backoff: float = 0.05,
                  verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
                  shm: bool | None = None, recycle_bytes: int = 256 << 20, split_bytes: int = 16 << 20) -> None:
         addrs = [addr] if isinstance(addr, str) else list(addr)

@@ -103,7 +103,8 @@ class ShmSegment:
             pass
 
 
-def attach(path: str, *, namespace: str, token: str | None, timeout: float, populate: bool = True) -> ShmSegment:
+def attach(path: str, *, namespace: str, token: str | None, timeout: float | None,
+           populate: bool = True) -> ShmSegment:
     """Map the arena of the server listening on Unix socket ``path`` (blocking; run it in a thread).
 
     Raises:
@@ -113,7 +114,7 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float, popu
             within ``timeout`` seconds in all (a reply trickling in does not extend it).
         ProtocolError: the reply made no sense or carried no descriptor.
     """
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     fds: list[int] = []
@@ -135,7 +136,7 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float, popu
 
 
 def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: list[int],
-         deadline: float) -> dict[str, Any]:
+         deadline: float | None) -> dict[str, Any]:
     """Send one request and read its (payload-less) reply by ``deadline``, collecting passed descriptors."""
     try:
         _until(sock, deadline)
@@ -167,8 +168,12 @@ def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: 
 _TIMED_OUT = "shm attach: no complete answer within the connect timeout"
 
 
-def _until(sock: socket.socket, deadline: float) -> None:
-    """The socket's timeout: what is left until ``deadline`` (a trickling reply does not extend it)."""
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """The socket's timeout: what is left until ``deadline`` (a trickling reply does not extend it;
+    None: no limit, as ``connect_timeout=None`` asks)."""
+    if deadline is None:
+        sock.settimeout(None)
+        return
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransportError(_TIMED_OUT)

@@ -296,6 +296,14 @@ async def test_shm_attach_needs_a_hello_first_without_tokens_too(make_server: Ma
             os.close(fd)
 
 
+async def test_no_connect_timeout_still_maps_the_arena(make_server: MakeServer, unix_path: str) -> None:
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    async with AsyncKVClient(unix(unix_path), connect_timeout=None) as kv:
+        assert kv.nodes[0].shm is not None
+        await kv.put([key(1, "nt")], [b"no timeout"])
+        assert [bytes(b) for b in await kv.get([key(1, "nt")])] == [b"no timeout"]
+
+
 # ---------------------------------------------------------------- fallbacks
 
 
