@@ -108,8 +108,6 @@ def code_of(exc: BaseException) -> int:
 
 def from_code(code: int, message: str) -> KVStoreError:
     """Rebuild the exception an error reply stands for (unknown codes become ServerError)."""
-    if type(code) is not int or not isinstance(message, str):
-        return ProtocolError(f"malformed error reply: code {type(code).__name__}, message {type(message).__name__}")
     if code == PROTOCOL_ERROR_CODE:
         return ProtocolError(message)
     cls = _BY_CODE.get(code)
