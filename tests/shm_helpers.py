@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import shutil
 import socket
@@ -12,7 +13,9 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from kvstore.client import AsyncKVClient
-from kvstore.protocol import ErrorReply, Frame, FrameReader, Message, Reply, ShmGet, ShmRelease, encode
+from kvstore.protocol import (
+    ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmGet, ShmRelease, encode,
+)
 from kvstore.server.process import ServerProcess
 
 #: The ``make_server`` fixture of conftest.py: ``make_server("--capacity", "8MiB")`` -> a started server.
@@ -68,6 +71,16 @@ def error_code(frame: Frame) -> int | None:
 def reply_fields(frame: Frame) -> dict[str, Any]:
     assert isinstance(frame.msg, Reply), frame.msg
     return frame.msg.fields
+
+
+def assert_attach_maps(path: str, size: int) -> None:
+    """HELLO then SHM_ATTACH on a fresh connection: one descriptor comes back, for ``size`` bytes."""
+    frames, fds = raw_exchange(path, Hello(), ShmAttach())
+    try:
+        assert len(fds) == 1 and reply_fields(frames[1])["size"] == size
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 async def shm_locate(kv: AsyncKVClient, keys: list[bytes]) -> tuple[Any, dict[str, Any]]:
