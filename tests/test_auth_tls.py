@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import ssl
@@ -187,6 +188,8 @@ async def test_protocol_error_code_is_distinct_from_auth(make_server, token_file
     writer.write(HEADER.pack(b"KV", 1, 200, 1, 0, 0))
     data = await asyncio.wait_for(reader.read(4096), 5)
     writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()  # (closed for good before the test's loop ends: no unclosed-transport warning)
     assert replies(data) == [(0xFF, 0)] and bytes([PROTOCOL_ERROR_CODE]) in data
 
 

@@ -9,6 +9,7 @@ or AttributeError, returning a wrong answer, or waiting without end.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
 import socket
@@ -38,9 +39,11 @@ def raw_reply(op: int, rid: int, meta: dict[str, Any], payload: bytes = b"") -> 
 async def hostile() -> AsyncIterator[Callable[[Script], str]]:
     """``start(script)`` -> the address of a server that says HELLO, then lets ``script`` answer."""
     servers: list[asyncio.Server] = []
+    writers: list[asyncio.StreamWriter] = []
 
     async def start(script: Script) -> str:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
             frames = FrameReader(is_server=True)
             while data := await reader.read(1 << 16):
                 frames.feed(data)
@@ -61,6 +64,12 @@ async def hostile() -> AsyncIterator[Callable[[Script], str]]:
     yield lambda script: start(script)  # type: ignore[return-value]
     for srv in servers:
         srv.close()
+    for writer in writers:  # every connection closed for good before the test's loop ends
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    for srv in servers:
+        await srv.wait_closed()
 
 
 def answer(meta: dict[str, Any], payload: bytes = b"") -> Script:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -114,6 +115,8 @@ async def test_connections_over_the_cap_are_refused_and_the_server_keeps_serving
             return await asyncio.wait_for(reader.read(), 10)  # the error reply, then EOF
         finally:
             writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()  # (closed for good before the loop ends: no unclosed-transport warning)
 
     answers = await asyncio.gather(*(refused() for _ in range(220)))
     for data in answers:
@@ -256,6 +259,8 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
                     pass
                 finally:
                     writer.close()
+                    with contextlib.suppress(OSError):
+                        await writer.wait_closed()
                 sent += 1
             return sent
 
@@ -309,6 +314,8 @@ async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goe
                 got.append(ev)
     finally:
         writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
     assert got[0].request_id == 7 and isinstance(got[0].msg, ErrorReply) and got[0].msg.code == 2  # InvalidRequest
     assert got[1].request_id == 8 and not isinstance(got[1].msg, ErrorReply)  # and PING still answered
     assert srv.stop() == 0
