@@ -233,9 +233,8 @@ class _Node:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        for conn in self.conns:
-            conn.close()
-        self.conns = []
+        conns, self.conns = self.conns, []
+        await asyncio.gather(*(conn.aclose() for conn in conns))
         if self.shm is not None:
             self.shm.segment.close()
             self.shm, self.shm_tried = None, None

@@ -10,6 +10,7 @@ and a cancelled ``get_into`` must never write into a buffer its caller got back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import ssl
@@ -47,6 +48,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.closed = False
         self.close_reason: KVStoreError | None = None
         self.hello: dict[str, Any] = {}
+        self.gone = asyncio.Event()  # set once the transport is closed for good (connection_lost)
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -61,6 +63,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._fail_all(reason)
         if self._can_write is not None and not self._can_write.done():
             self._can_write.set_exception(reason)
+        self.gone.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer()
@@ -214,6 +217,20 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    async def aclose(self, grace: float = 1.0) -> None:
+        """Close, and return once the transport is gone: a TLS connection first exchanges
+        close_notify with the server (a round trip), and a loop that ends before that leaves
+        its socket open. A peer that has not finished within ``grace`` seconds is cut off."""
+        self.close()
+        if self.transport is None:
+            return
+        try:
+            await asyncio.wait_for(self.gone.wait(), grace)
+        except asyncio.TimeoutError:
+            self.transport.abort()  # (closes the socket now, and reports it on the next turn)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.gone.wait(), grace)
 
 
 def _drop_outcome(fut: asyncio.Future[Any]) -> None:

@@ -272,3 +272,14 @@ def test_sigterm_does_not_wait_for_an_idle_tls_peer_to_answer_close_notify(make_
         srv.proc.send_signal(signal.SIGTERM)  # this client never reads again, nor answers close_notify
         assert srv.proc.wait(15) == 0
         assert time.monotonic() - t0 < 5, "shutdown waited for a peer that had nothing left to receive"
+
+
+async def test_close_returns_once_tls_connections_are_gone(make_server, tls_files: dict[str, Path]) -> None:
+    """A TLS close exchanges close_notify first (a round trip): close() used to return before it,
+    and a loop ending right after left the sockets open (an unclosed-transport warning later)."""
+    srv = make_server("--capacity", "8MiB", "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    kv = AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), pool_size=2)
+    await asyncio.gather(kv.ping(), kv.ping(), kv.ping())
+    socks = [c.transport.get_extra_info("socket") for c in kv.nodes[0].conns]
+    await kv.close()
+    assert len(socks) == 2 and all(s.fileno() == -1 for s in socks)
