@@ -24,12 +24,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if not r["system"].startswith("kvstore") or r["op"] not in RAW_OF:
             continue
-        raws = [ix[k] for k in (("raw", o, r["size"], r["batch"]) for o in RAW_OF[r["op"]]) if k in ix]
-        raw = max(raws, key=lambda x: x["gbps"]) if raws else None
-        r["vs_raw"] = round(r["gbps"] / raw["gbps"], 2) if raw and raw["gbps"] else None
-        reds = [ix[k] for k in (("redis", o, r["size"], r["batch"]) for o in REDIS_OF[r["op"]]) if k in ix]
-        best = max(reds, key=lambda x: x["gbps"]) if reds else None
-        r["vs_redis"] = round(r["gbps"] / best["gbps"], 2) if best and best["gbps"] else None
+        raw = _best_row(ix, "raw", RAW_OF[r["op"]], r["size"], r["batch"])
+        r["vs_raw"] = round(r["gbps"] / raw["gbps"], 2) if raw else None
+        best = _best_row(ix, "redis", REDIS_OF[r["op"]], r["size"], r["batch"])
+        r["vs_redis"] = round(r["gbps"] / best["gbps"], 2) if best else None
         r["vs_redis_op"] = best["op"] if best else None
     for r in rows:  # the same-host transports against TCP, cell by cell
         if r["system"] in ("kvstore-unix", "kvstore-shm"):
@@ -116,11 +114,18 @@ def memory_lines(res: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------- targets
 
 
+def _best_row(ix: dict[tuple[str, str, int, int], dict[str, Any]], system: str, ops: tuple[str, ...],
+              size: int, batch: int) -> dict[str, Any] | None:
+    """The fastest of ``system``'s ``ops`` in one cell (None when none was measured above 0 GB/s)."""
+    rows = [ix[k] for k in ((system, o, size, batch) for o in ops) if k in ix and ix[k]["gbps"]]
+    return max(rows, key=lambda x: x["gbps"]) if rows else None
+
+
 def _best(ix: dict[tuple[str, str, int, int], dict[str, Any]], system: str, ops: tuple[str, ...],
           size: int, batch: int) -> float | None:
     """The best GB/s of ``system``'s ``ops`` in one cell (None when none was measured)."""
-    return max((ix[k]["gbps"] for k in ((system, o, size, batch) for o in ops) if k in ix and ix[k]["gbps"]),
-               default=None)
+    row = _best_row(ix, system, ops, size, batch)
+    return row["gbps"] if row else None
 
 
 def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
