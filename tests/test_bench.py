@@ -126,16 +126,33 @@ def test_concurrency_target_is_against_one_client_whatever_comes_first() -> None
     assert (t["value"], t["ok"]) == (1.5, True)  # 3.0 / 2.0 (against the 8-client figure it would be 0.75)
 
 
-def test_copy_probe_reports_both_directions_for_each_size(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_copy_probe_reports_both_kinds_and_directions_for_each_size(capsys) -> None:  # type: ignore[no-untyped-def]
     from kvstore.bench import copy
 
     res = copy.measure([4096, 65536], batch=4, trials=2, arena_bytes=1 << 20)
-    assert set(res) == {"get", "put"}
+    assert set(res) == {"copy get", "copy put", "client get", "client put"}
     assert all(set(res[d]) == {4096, 65536} and all(0 < v < float("inf") for v in res[d].values()) for d in res)
     assert copy.main(["--sizes", "4k,64k", "--batch", "4", "--trials", "1", "--arena-mib", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("# glibc") or lines[0].startswith("# ")  # libc and GLIBC_TUNABLES in effect
+    assert lines[0].startswith("# ")  # libc and GLIBC_TUNABLES in effect
+    assert lines[1].split() == ["block", "copy", "get", "copy", "put", "client", "get", "client", "put"]
     assert [line.split()[0] for line in lines[2:]] == ["4Ki", "64Ki"]
+
+
+def test_copy_probe_compares_glibc_settings_in_child_processes(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.bench import copy
+
+    probe = ["--sizes", "4k", "--batch", "2", "--trials", "1", "--arena-mib", "1"]
+    runs = copy.compare(probe, ["", "glibc.cpu.x86_non_temporal_threshold=0x40000"], rounds=2)
+    assert list(runs) == ["", "glibc.cpu.x86_non_temporal_threshold=0x40000"]  # (each child said it ran so)
+    for by_name in runs.values():
+        assert set(by_name) == {"copy get", "copy put", "client get", "client put"}
+        assert all(len(v[4096]) == 2 and min(v[4096]) > 0 for v in by_name.values())  # one figure per round
+    assert copy.main([*probe, "--compare", "--rounds", "1", "--tunables", "", "--tunables",
+                      "glibc.cpu.x86_rep_movsb_threshold=1073741824"]) == 0
+    out = capsys.readouterr().out
+    assert "[1] GLIBC_TUNABLES='glibc.cpu.x86_rep_movsb_threshold=1073741824'" in out
+    assert out.count("(1.00x)") >= 4  # each measurement's first column is its own baseline
 
 
 def test_profile_summary(tmp_path: Path) -> None:
