@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.engine.hashing import BlockHasher
-from kvstore.engine.offload import LoadJob, LookupFn, OffloadScheduler, StoreJob
+from kvstore.engine.offload import Finished, LoadJob, LookupFn, OffloadScheduler, StoreJob
 
 GPU_BS = 4
 FACTOR = 3
@@ -130,6 +130,77 @@ def test_after_a_preemption_nothing_is_stored_from_blocks_not_yet_recomputed() -
     assert s.build_step({}) == []  # (block 1 from GPU blocks 203-205 was stored: never computed there)
     (second,) = s.build_step({"r": 24})  # recomputed
     assert second.first_block == 1 and second.gpu_block_ids == (203, 204, 205)
+
+
+def test_preempt_stops_stores_from_the_blocks_it_gives_back() -> None:
+    """Async scheduling: the token completing block 1 arrives after the engine took the blocks
+    back (and gave 103-104 to another request); nothing may be stored from them."""
+    s = make()
+    s.add_request("r", range(22))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (first,) = s.build_step({"r": 22})
+    s.append_tokens("r", [900])
+    assert s.build_step({"r": 24}) == []  # 901 not known yet
+    # block 0's store still reads 100-102: those come back when it ends, the rest now
+    assert s.preempt("r") == (103, 104, 105)
+    s.append_tokens("r", [901])
+    s.add_request("o", range(5))
+    s.num_external_tokens("o", 0, hits(0))
+    s.on_alloc("o", [103, 104], 0)
+    assert s.build_step({"o": 5}) == []  # (was: block 1 of "r" from 103-105)
+    assert s.on_store_done(first.job_id) == (100, 101, 102)
+    # resumed: block 0 is in the store; block 1 is stored once recomputed in the new blocks
+    load = s.on_alloc("r", gpu_blocks(7, base=200), s.num_external_tokens("r", 0, hits(1)))
+    assert load is not None and load.gpu_block_ids == (200, 201, 202)
+    assert s.on_load_done(load.job_id) == ()
+    assert s.build_step({}) == []
+    (second,) = s.build_step({"r": 24})
+    assert second.first_block == 1 and second.gpu_block_ids == (203, 204, 205)
+
+
+def test_a_preempted_request_that_ends_frees_nothing_twice() -> None:
+    s = make()
+    s.add_request("r", range(24))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (store,) = s.build_step({"r": 24})
+    assert s.preempt("r") == ()  # the store reads all six
+    s.append_tokens("r", [7])
+    fin = s.finish_request("r")  # aborted before it was resumed
+    assert fin == Finished((), ())  # (was: all six again, and a final store from freed blocks)
+    assert s.on_store_done(store.job_id) == tuple(gpu_blocks(6))
+    assert s.pending_jobs == () and s.num_requests == 0
+
+
+def test_preempt_during_a_load_waits_for_it_before_the_request_resumes() -> None:
+    s = make()
+    s.add_request("r", range(30))
+    load = s.on_alloc("r", gpu_blocks(8), s.num_external_tokens("r", 0, hits(2)))
+    assert load is not None
+    assert s.preempt("r") == (106, 107)  # the load writes 100-105
+    n = s.num_external_tokens("r", 0, hits(2))
+    with pytest.raises(ValueError, match="in flight"):
+        s.on_alloc("r", gpu_blocks(8, base=300), n)
+    assert s.on_load_done(load.job_id, success=False) == (100, 101, 102, 103, 104, 105)
+    again = s.on_alloc("r", gpu_blocks(8, base=300), n)
+    assert again is not None and again.gpu_block_ids == tuple(gpu_blocks(6, base=300))
+
+
+def test_a_step_with_a_bad_count_is_refused_whole() -> None:
+    s = make()
+    for rid in ("a", "b"):
+        s.add_request(rid, range(24))
+        s.num_external_tokens(rid, 0, hits(0))
+    s.on_alloc("a", gpu_blocks(6), 0)
+    s.on_alloc("b", gpu_blocks(3, base=200), 0)  # b has one offloaded block's worth
+    with pytest.raises(ValueError, match="need 6 GPU blocks"):
+        s.build_step({"a": 24, "b": 24})
+    assert s.pending_jobs == ()  # (was: a's store made, tracked, and lost with the exception)
+    assert s.build_step({}) == []  # b's bad count was not kept
+    s.extend_blocks("b", gpu_blocks(3, base=203))
+    jobs = s.build_step({"a": 24, "b": 24})
+    assert [(j.req_id, len(j.keys)) for j in jobs] == [("a", 2), ("b", 2)]
 
 
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:

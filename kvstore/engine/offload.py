@@ -19,6 +19,8 @@ Life of a request (every call takes the engine's request id)::
         stores = build_step({rid: tokens_with_kv_after_this_step, ...})
         ... forward pass, then run the StoreJobs, then on_store_done(job_id, ok) ...
         append_tokens(rid, sampled_ids)
+    free = preempt(rid)                         # the engine takes the GPU blocks back: free `free`;
+    ... then num_external_tokens and on_alloc again when it resumes
     fin = finish_request(rid)                   # free fin.free_now; run fin.stores
     on_*_done(...) returns the GPU blocks of finished requests that became free
 
@@ -108,6 +110,7 @@ class _Request:
     cursor_before_load: int = 0
     finished: bool = False
     busy: Counter[int] = field(default_factory=Counter)  # GPU block -> in-flight jobs using it
+    retired: set[int] = field(default_factory=set)  # busy blocks a preemption gave up: freed when idle
 
 
 class OffloadScheduler:
@@ -200,15 +203,15 @@ class OffloadScheduler:
     def on_alloc(self, req_id: str, gpu_block_ids: Sequence[int], num_external_tokens: int) -> LoadJob | None:
         """The engine allocated the request's GPU blocks (all of them, prefix hits included).
 
-        Returns the load to run before the request computes, or None. Calling it again (after
-        a preemption) replaces the block list; nothing may be in flight for the request then.
+        Returns the load to run before the request computes, or None. After :meth:`preempt`
+        it gives the resumed request its new blocks (the load of the old ones must have ended).
 
         Raises:
             ValueError: ``num_external_tokens`` was not offered by :meth:`num_external_tokens`,
-                too few blocks, or jobs of the request are still in flight.
+                too few blocks, or a load, or a store from the blocks it replaces, is in flight.
         """
         req = self._live(req_id)
-        if req.busy:
+        if req.loading is not None or any(req.busy[b] for b in req.block_ids):
             raise ValueError(f"request {req_id!r} still has transfers in flight")
         req.block_ids = list(gpu_block_ids)
         # What these blocks hold once the load is done: a count from before a preemption would
@@ -262,10 +265,16 @@ class OffloadScheduler:
 
         Raises:
             KeyError: an unknown request id.
-            ValueError: a count needs GPU blocks the request has not been given.
+            ValueError: a count needs GPU blocks the request has not been given (the step is
+                refused whole: no count taken, no job made).
         """
         for req_id, computed in num_computed_tokens.items():
-            self._live(req_id).computed = computed
+            req = self._live(req_id)
+            if computed < 0:
+                raise ValueError(f"request {req_id!r}: negative token count {computed}")
+            self._need_blocks(req, computed // self.offloaded_block_size)
+        for req_id, computed in num_computed_tokens.items():
+            self._requests[req_id].computed = computed
         jobs: list[StoreJob] = []
         for req_id, req in self._requests.items():
             job = self._store_ready(req_id, req)
@@ -277,7 +286,7 @@ class OffloadScheduler:
         """A load ended. On failure the engine must recompute those tokens; they will be stored.
 
         Returns:
-            GPU blocks of finished requests that no transfer uses any more.
+            GPU blocks of finished (or preempted) requests that no transfer uses any more.
         """
         job = self._pop_job(job_id, LoadJob)
         req = self._requests[job.req_id]
@@ -291,7 +300,7 @@ class OffloadScheduler:
         """A store ended. A failed store is not retried (the blocks are missing, not wrong).
 
         Returns:
-            GPU blocks of finished requests that no transfer uses any more.
+            GPU blocks of finished (or preempted) requests that no transfer uses any more.
         """
         job = self._pop_job(job_id, StoreJob)
         return self._release(job.req_id, job)
@@ -302,6 +311,25 @@ class OffloadScheduler:
             raise ValueError(f"job {job_id} is not a {kind.__name__.removesuffix('Job').lower()}")
         del self._jobs[job_id]
         return job
+
+    def preempt(self, req_id: str) -> tuple[int, ...]:
+        """The engine takes the request's GPU blocks back; it stays tracked, to resume later.
+
+        What the store holds of it stays there (the cursor keeps its place). Resuming goes
+        through :meth:`num_external_tokens` and :meth:`on_alloc` again; until then nothing is
+        stored from the old blocks, whatever tokens arrive.
+
+        Returns:
+            the blocks no transfer uses, to free now; blocks a transfer still reads or writes
+            come back from ``on_load_done``/``on_store_done`` when it ends.
+        """
+        req = self._live(req_id)
+        free_now = tuple(b for b in req.block_ids if not req.busy[b])
+        req.retired.update(b for b in req.block_ids if req.busy[b])
+        req.block_ids, req.computed = [], 0
+        self._unuse(req.found)
+        req.found, req.gpu_hit, req.hit_end = (), None, 0
+        return free_now
 
     def finish_request(self, req_id: str) -> Finished:
         """The request ended (done, aborted or preempted for good); see :class:`Finished`."""
@@ -389,7 +417,9 @@ class OffloadScheduler:
         for block in idle:
             del req.busy[block]
         if not req.finished:
-            return ()
+            freed = tuple(b for b in idle if b in req.retired)
+            req.retired.difference_update(freed)
+            return freed
         if not req.busy:
             del self._requests[req_id]
         return idle
