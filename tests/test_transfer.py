@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,9 @@ def test_wrong_payloads_are_refused_clearly() -> None:
     other_layout = [c.reshape(NUM_BLOCKS, 2, BS, HEADS, DIM).clone() for c in make_caches(torch.bfloat16, 1)]
     with pytest.raises(PayloadMismatch):
         PagedKVTransfer(other_layout, 2, block_dim=0).scatter([payload], [2, 3])
+    strided = np.frombuffer(bytes(payload.numpy()) * 2, dtype=np.uint8)[::2]  # right size, not contiguous
+    with pytest.raises(PayloadMismatch, match="contiguous"):
+        dst_bf16.scatter([strided], [2, 3])
     garbage = bytearray(dst_bf16.payload_size)
     with pytest.raises(PayloadMismatch, match="not a kvstore KV payload"):
         dst_bf16.scatter([garbage], [2, 3])
@@ -130,6 +134,11 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         t.scatter(payloads, [0])
     with pytest.raises(ValueError, match="duplicate"):
         t.scatter(payloads, [3, 3])
+    with pytest.raises(ValueError, match="integers"):  # (2.7 was taken for block 2)
+        t.scatter(payloads, [2.7, 3.9])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="integers"):
+        t.gather([0.5, 1.5])  # type: ignore[list-item]
+    assert t.gather(np.array([0, 1]))[0].numel() == t.payload_size  # numpy integers are integers
     with pytest.raises(ValueError):
         PagedKVTransfer(caches, 2, block_dim=4)
     with pytest.raises(ValueError, match="does not match layer 0"):
@@ -214,3 +223,17 @@ def test_executor_failures_are_reported_not_raised() -> None:
     assert [j.first_block for j in stores] == [0]
     done = ex.run(stores)
     assert done.failed == tuple(stores) and s.pending_jobs == ()
+
+
+def test_an_unexpected_error_fails_its_job_and_the_others_still_run(caplog) -> None:  # type: ignore[no-untyped-def]
+    store = DictStore()
+    s = OffloadScheduler(BlockHasher(8), 4)
+    ex = TransferExecutor(store, PagedKVTransfer(make_caches(torch.float32, 1), 2), s)
+    for rid, ids in (("bad", [NUM_BLOCKS, NUM_BLOCKS + 1]), ("good", [0, 1])):  # the engine's mistake: no such block
+        s.add_request(rid, range(8))
+        s.num_external_tokens(rid, 0, lambda keys: 0)
+        s.on_alloc(rid, ids, 0)
+    bad, good = s.build_step({"bad": 8, "good": 8})
+    done = ex.run([bad, good])
+    assert done.failed == (bad,) and s.pending_jobs == ()  # (was: ValueError, both jobs pending for good)
+    assert len(store.blocks) == 1 and "Traceback" in caplog.text and "in 0..9" in caplog.text

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -185,7 +186,10 @@ class PagedKVTransfer:
                     raw.index_copy_(self.block_dim, block_ids, part)
 
     def _ids(self, gpu_block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(gpu_block_ids), dtype=torch.long)
+        try:  # (torch.tensor would truncate a float id to another block)
+            ids = torch.tensor([operator.index(b) for b in gpu_block_ids], dtype=torch.long)
+        except TypeError:
+            raise ValueError(f"GPU block ids must be integers, got {list(gpu_block_ids)!r}") from None
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_gpu_blocks):
             raise ValueError(f"GPU block ids must be in 0..{self.num_gpu_blocks - 1}")
         return ids.to(self.device)
@@ -203,7 +207,10 @@ class PagedKVTransfer:
                 raise PayloadMismatch(f"payload {index} must be a contiguous 1-d uint8 tensor")
             tensor = payload
         else:
-            view = memoryview(payload).cast("B")
+            try:
+                view = memoryview(payload).cast("B")
+            except TypeError as exc:  # e.g. a strided numpy view
+                raise PayloadMismatch(f"payload {index} must be a contiguous buffer: {exc}") from None
             if not len(view):
                 raise PayloadMismatch(f"payload {index} is empty; this cache's offloaded block is {self.payload_size}")
             # torch.frombuffer warns on read-only memory (e.g. bytes): copy it rather than risk writes
@@ -328,6 +335,8 @@ class TransferExecutor:
 
         A :class:`~kvstore.errors.KVStoreError` (store unreachable, full, corrupt block, payload
         of another layout) fails the job -- logged, reported, returned -- instead of the step.
+        So does any other exception (a bad block id, say), logged with its traceback: a job
+        left unreported would hold its GPU blocks for good.
         """
         freed: list[int] = []
         failed: list[LoadJob | StoreJob] = []
@@ -346,6 +355,9 @@ class TransferExecutor:
                     ok = True
             except KVStoreError as exc:
                 logger.warning("%s %d of request %s failed: %s", type(job).__name__, job.job_id, job.req_id, exc)
+                ok = False
+            except Exception:
+                logger.exception("%s %d of request %s failed", type(job).__name__, job.job_id, job.req_id)
                 ok = False
             if not ok:
                 failed.append(job)
