@@ -74,7 +74,9 @@ _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutErro
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
 _BATCH_BLOCKS = 64  # write-behind: blocks per flush round trip
-_BATCH_BYTES = 32 << 20  # ... and bytes; bounded so one round trip stays well under the socket timeout
+_BATCH_BYTES = 32 << 20  # ... and bytes at most; sized to a quarter of --redis-timeout at the rate the last
+# batch went (a failed one halves it), so a link too slow for 32 MiB per timeout still drains
+_BULK_LEN = 512 << 20  # Redis's default proto-max-bulk-len: it drops a client that sends a longer value
 _PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
 
 
@@ -199,13 +201,15 @@ class _WriteQueue:
             self.nbytes += len(item.value)
             self.changed.notify_all()
 
-    async def take(self) -> list[_Item]:
-        """The oldest blocks, up to a batch, moved in flight (waits for at least one)."""
+    async def take(self, max_bytes: int = _BATCH_BYTES) -> list[_Item]:
+        """The oldest blocks, up to a batch of ``max_bytes``, moved in flight (waits for at least one;
+        one block larger than ``max_bytes`` goes alone)."""
         async with self.changed:
             await self.changed.wait_for(lambda: bool(self.waiting))
             batch: list[_Item] = []
             size = 0
-            while self.waiting and len(batch) < _BATCH_BLOCKS and (not batch or size < _BATCH_BYTES):
+            while (self.waiting and len(batch) < _BATCH_BLOCKS
+                   and (not batch or size + len(next(iter(self.waiting.values())).value) <= max_bytes)):
                 k, item = self.waiting.popitem(last=False)
                 self.inflight[k] = item
                 batch.append(item)
@@ -252,10 +256,12 @@ class RedisTier(Tier):
         queue_bytes: write-behind queue bound.
         ttl_s: expiry of stored blocks in seconds (0: none).
         flush_timeout: how long :meth:`close` keeps trying to flush the queue.
+        timeout_s: the client's socket timeout (write-behind batches are sized to fit in it).
     """
 
     def __init__(self, client: Redis | RedisCluster, *, target: str, mode: str = "write-through",
-                 queue_bytes: int = 256 << 20, ttl_s: int = 0, flush_timeout: float = 30.0) -> None:
+                 queue_bytes: int = 256 << 20, ttl_s: int = 0, flush_timeout: float = 30.0,
+                 timeout_s: float = 2.0) -> None:
         if mode not in MODES:
             raise ValueError(f"redis mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.client = client
@@ -265,6 +271,7 @@ class RedisTier(Tier):
         self.write_through = mode == "write-through"
         self.ttl_s = ttl_s
         self.flush_timeout = flush_timeout
+        self.timeout_s = timeout_s
         self.queue = _WriteQueue(max(1, queue_bytes))
         self._up = asyncio.Event()  # set while Redis answers
         self._last_error = ""
@@ -273,6 +280,11 @@ class RedisTier(Tier):
         self._probe_delay = _PROBE_MIN_S
         self._known_ns: set[str] = set()
         self._flusher: asyncio.Task[None] | None = None
+        self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
+        self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
+        #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
+        #: one is refused at PUT rather than acknowledged and then never written.
+        self.max_block = _BULK_LEN - HEADER_SIZE
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "failures": 0, "outages": 0}
 
@@ -302,7 +314,8 @@ class RedisTier(Tier):
                                   **timeouts)
             target = "cluster " + ",".join(f"{h}:{p}" for h, p in nodes)
         return cls(client, target=target, mode=config.redis_mode, queue_bytes=config.redis_queue_bytes,
-                   ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0))
+                   ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0),
+                   timeout_s=config.redis_timeout)
 
     # -- lifecycle
 
@@ -314,9 +327,21 @@ class RedisTier(Tier):
             self._mark_down(exc)
         else:
             self._mark_up()
+            await self._read_bulk_limit()
             log.info("redis tier %s: %s, ttl=%s", self.target, self.mode, f"{self.ttl_s}s" if self.ttl_s else "none")
         if not self.write_through:
             self._flusher = asyncio.create_task(self._flush_loop(), name="redis-write-behind")
+
+    async def _read_bulk_limit(self) -> None:
+        """Take Redis's proto-max-bulk-len where CONFIG GET is allowed (else its default, 512 MB)."""
+        try:
+            reply = await self.client.config_get("proto-max-bulk-len")
+            limits = [reply] if "proto-max-bulk-len" in reply else list(reply.values())  # (cluster: per node)
+            values = [int(r["proto-max-bulk-len"]) for r in limits if str(r.get("proto-max-bulk-len", "")).isdigit()]
+        except (*_REDIS_ERRORS, AttributeError, TypeError):  # a managed Redis may refuse CONFIG
+            return
+        if values:
+            self.max_block = min(values) - HEADER_SIZE
 
     async def close(self) -> None:
         """Flush the write-behind queue (probing a degraded Redis until ``flush_timeout``), then disconnect."""
@@ -329,8 +354,11 @@ class RedisTier(Tier):
             await self.check_health()
             await asyncio.sleep(0.05)
         if len(self.queue):
-            log.error("redis %s unreachable: %d acknowledged write-behind block(s) (%d bytes) were not written",
-                      self.target, len(self.queue), self.queue.nbytes)
+            why = "refused them" if self._up.is_set() and self._refusing else (
+                "was too slow" if self._up.is_set() else "unreachable")
+            log.error("redis %s %s: %d acknowledged write-behind block(s) (%d bytes) were not written within "
+                      "%.0fs (last error: %s)", self.target, why, len(self.queue), self.queue.nbytes,
+                      self.flush_timeout, self._last_error or "none")
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
@@ -418,6 +446,7 @@ class RedisTier(Tier):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self.counters["failures"] += 1
+            self._last_error = _describe(errors[0])
             raise Unavailable(f"redis {self.target} refused {len(errors)} of {len(results)} {what} "
                               f"({_describe(errors[0])})")
 
@@ -460,15 +489,22 @@ class RedisTier(Tier):
             await self.queue.put(item)
 
     async def _flush_loop(self) -> None:
-        """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the head."""
+        """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the
+        head, and the next one is half its size (a timeout on a slow link must not repeat for ever)."""
         while True:
             await self._up.wait()
-            batch = await self.queue.take()
+            batch = await self.queue.take(self._batch_bytes)
+            nbytes, began = sum(len(it.value) for it in batch), time.monotonic()
             try:
                 await self._write(batch)
-            except Unavailable:
+            except Unavailable as exc:
                 await self.queue.finish(batch, written=False)
+                self._batch_bytes = max(1, nbytes // 2)
                 if self._up.is_set():  # refused (say OOM) while Redis is up: retry later, not in a busy loop
+                    if not self._refusing:
+                        self._refusing = True
+                        log.warning("redis write-behind blocks refused (%s); %d block(s) wait, retrying every %.0fs",
+                                    exc, len(self.queue), _PROBE_MAX_S)
                     await asyncio.sleep(_PROBE_MAX_S)
             except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks
                 log.exception("redis write-behind flush failed; retrying")
@@ -476,6 +512,12 @@ class RedisTier(Tier):
                 await asyncio.sleep(_PROBE_MAX_S)
             else:
                 await self.queue.finish(batch, written=True)
+                rate = nbytes / max(time.monotonic() - began, 1e-4)
+                self._batch_bytes = int(min(_BATCH_BYTES, max(1.0, rate * self.timeout_s / 4)))
+                if self._refusing:
+                    self._refusing = False
+                    log.warning("redis %s takes write-behind blocks again; %d block(s) to catch up",
+                                self.target, len(self.queue))
 
     # -- reads
 
@@ -526,16 +568,18 @@ class RedisTier(Tier):
         return decoded
 
     async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: queued or in Redis (one pipelined round of EXISTS)."""
+        """Per key: queued, or in Redis with a kvstore value header (one pipelined round of
+        ``GETRANGE key 0 15``: a foreign value or type is absent, as a GET would find it;
+        damage inside the block shows only when the client checks its checksum)."""
         out = [bool(len(self.queue)) and self.queue.get(ns, k) is not None for k in keys]
         ask = [i for i, p in enumerate(out) if not p]
         if ask and self._up.is_set():
             try:
-                found = await self._execute([("EXISTS", block_key(ns, keys[i])) for i in ask])
+                heads = await self._execute([("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1) for i in ask])
             except Unavailable:
-                found = [0] * len(ask)
-            for i, n in zip(ask, found):
-                out[i] = not isinstance(n, Exception) and bool(n)
+                heads = [b""] * len(ask)
+            for i, head in zip(ask, heads):
+                out[i] = isinstance(head, bytes) and decode_value(head) is not None
         return out
 
     # -- deletes

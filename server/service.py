@@ -96,7 +96,10 @@ class PutSink:
     def reserve(self, i: int) -> Reservation | None:
         """Reserve block ``i`` (None: dropped; its status says why)."""
         checksum = self.msg.checksums[i] if self.msg.checksums else 0
+        limit = self.tier.max_block if self.tier is not None else None
         try:
+            if limit is not None and self.sizes[i] > limit:  # acknowledged, it could never reach the tier
+                raise TooLarge(f"a block of {self.sizes[i]} bytes is over the {limit} the backing tier takes")
             res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
         except (CapacityError, TooLarge, InvalidRequest) as exc:
             self.status[i] = exc.code

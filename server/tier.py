@@ -28,6 +28,7 @@ class Tier(ABC):
     """A backing tier. Failures raise :class:`kvstore.errors.Unavailable`."""
 
     write_through: bool = True  # False: store() may return before the backend has the blocks
+    max_block: int | None = None  # the largest block the backend takes (None: no limit of its own)
 
     @abstractmethod
     async def start(self) -> None: ...

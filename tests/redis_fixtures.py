@@ -16,9 +16,10 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterator, Sequence
 
 import pytest
 
@@ -67,8 +68,10 @@ class RedisProcess:
     """One ``redis-server`` on 127.0.0.1; :meth:`cli` runs the real ``redis-cli`` against it."""
 
     def __init__(self, directory: Path, *, port: int | None = None, appendonly: bool = False,
-                 cluster: bool = False, password: str | None = None, tls: bool = False) -> None:
+                 cluster: bool = False, password: str | None = None, tls: bool = False,
+                 args: Sequence[str] = ()) -> None:
         self.dir = directory
+        self.args = list(args)  # more redis-server options, e.g. ["--maxmemory", "1mb"]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(with_bus=cluster)
         self.appendonly = appendonly
@@ -102,7 +105,7 @@ class RedisProcess:
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
                     "--cluster-node-timeout", "5000"]
-        return cmd
+        return cmd + self.args
 
     def start(self, timeout: float = 10.0) -> RedisProcess:
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -193,6 +196,51 @@ class RedisClusterProcesses:
             node.stop()
 
 
+_SLOW_PROXY = """
+import asyncio, sys
+listen, target, rate = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+
+async def pipe(r, w):
+    try:
+        while data := await r.read(1 << 14):
+            w.write(data)
+            await w.drain()
+            await asyncio.sleep(len(data) / rate)
+    except OSError:
+        pass
+    finally:
+        w.close()
+
+async def handle(r, w):
+    r2, w2 = await asyncio.open_connection("127.0.0.1", target)
+    await asyncio.gather(pipe(r, w2), pipe(r2, w))
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+class SlowLink:
+    """A TCP relay on 127.0.0.1 to ``target_port`` that moves at most ``rate`` bytes/s each way
+    per connection: a slow network in front of a real Redis."""
+
+    def __init__(self, target_port: int, rate: float) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-c", _SLOW_PROXY, str(self.port), str(target_port), str(rate)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     """A fresh redis-server without persistence."""
@@ -205,12 +253,14 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
 
 @pytest.fixture
 def make_redis(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]]:
-    """Start redis-servers with options: ``make_redis(appendonly=True, password="pw", tls=True)``."""
+    """Start redis-servers with options: ``make_redis(appendonly=True, password="pw", tls=True,
+    args=["--maxmemory", "1mb"])``."""
     started: list[RedisProcess] = []
 
-    def make(*, appendonly: bool = False, password: str | None = None, tls: bool = False) -> RedisProcess:
+    def make(*, appendonly: bool = False, password: str | None = None, tls: bool = False,
+             args: Sequence[str] = ()) -> RedisProcess:
         proc = RedisProcess(tmp_path / f"redis{len(started)}", appendonly=appendonly, password=password,
-                            tls=tls).start()
+                            tls=tls, args=args).start()
         started.append(proc)
         return proc
 

@@ -7,6 +7,7 @@ processes on free loopback ports, and checks Redis with the real ``redis-cli``.
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from kvstore.errors import IntegrityError, TooLarge, Unavailable
 from kvstore.server.process import ServerProcess
 from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, ns_record_key
 
-from redis_fixtures import blocks, chain, payloads, RedisProcess, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
+from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
 
 NS = "llama3-8b/bf16/tp0"
 MEM = "16MiB"  # kvstore memory per server: small, so servers start fast
@@ -133,6 +134,70 @@ async def test_eviction_from_memory_never_deletes_from_redis(redis_server: Redis
     assert in_redis(redis_server, NS, keys[:2]) == [False, True]
 
 
+async def test_lookup_counts_only_blocks_a_get_can_return(redis_server: RedisProcess, make_server) -> None:
+    keys = chain(6, "foreign")
+    data = blocks(keys, 4096)
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    async with AsyncKVClient(writer.addr, namespace=NS) as kv:
+        await kv.put(keys, data)
+    redis_server.cli("DEL", block_key(NS, keys[3]))
+    redis_server.cli("LPUSH", block_key(NS, keys[3]), "x")  # another type under the key
+    redis_server.cli("SET", block_key(NS, keys[4]), "hello")  # a value without kvstore's header
+    reader = make_server("--capacity", MEM, "--redis", redis_server.url)  # empty memory: asks Redis
+    async with AsyncKVClient(reader.addr, namespace=NS) as kv:
+        assert await kv.lookup(keys) == 3  # (was 6: EXISTS counted the list and "hello")
+        assert await kv.exists(keys) == [True, True, True, False, False, True]
+        assert payloads(await kv.get(keys[3:5])) == [None, None]
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_a_block_larger_than_redis_takes_is_refused_at_put(make_redis, make_server, mode: str) -> None:
+    # Redis drops a client that sends a value over proto-max-bulk-len (512 MB by default; 1 MB here):
+    # acknowledged, such a block stalled the write-behind queue for good, and marked the tier down.
+    redis = make_redis(args=["--proto-max-bulk-len", "1mb"])
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", mode)
+    keys = chain(4, "bulk")
+    data = blocks(keys, 300_000)
+    data[1] = random.Random(1).randbytes(2 << 20)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=10) as kv:
+        with pytest.raises(TooLarge, match="backing tier") as info:
+            await kv.put(keys, data)
+        assert info.value.result.statuses == ["stored", "failed", "stored", "stored"]  # type: ignore[attr-defined]
+
+        async def written() -> bool:
+            return (await kv.stats())["tier"]["backlog_blocks"] == 0
+
+        await eventually(written, 10, "the other blocks to reach Redis")
+        tier = (await kv.stats())["tier"]
+        assert tier["state"] == "ok" and tier["outages"] == 0
+    assert in_redis(redis, NS, keys) == [True, False, True, True]
+
+
+async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(make_redis, make_server) -> None:
+    redis = make_redis(args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", "--drain-seconds", "1")
+    keys = chain(8, "oom")
+    data = blocks(keys, 500_000)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=10) as kv:
+        assert (await kv.put(keys, data)).stored == 8  # acknowledged, queued; Redis fills up and refuses
+
+        async def refused() -> bool:
+            return "OutOfMemoryError" in (await kv.stats())["tier"]["last_error"]
+
+        await eventually(refused, 10, "stats to show why the blocks wait")  # (was: state ok, last_error "")
+        assert (await kv.stats())["tier"]["backlog_blocks"] > 0
+    srv.wait_log("write-behind blocks refused")
+    redis.cli("CONFIG", "SET", "maxmemory", "0")  # room again: the backlog drains
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+        async def drained() -> bool:
+            return (await kv.stats())["tier"]["backlog_blocks"] == 0
+
+        await eventually(drained, 15, "the backlog to drain")
+    srv.wait_log("takes write-behind blocks again")
+    assert all(in_redis(redis, NS, keys))
+    assert log_count(srv, "write-behind blocks refused") == 1  # once, not per retry
+
+
 # ---------------------------------------------------------------- write-behind
 
 
@@ -159,6 +224,26 @@ async def test_write_behind_bounded_queue_waits_then_flushes(make_redis, make_se
 
         await eventually(drained, 15, "the write-behind queue to drain")
     assert all(in_redis(redis, NS, keys))
+
+
+async def test_write_behind_drains_over_a_link_too_slow_for_a_full_batch(redis_server: RedisProcess,
+                                                                           make_server) -> None:
+    # 4 MB/s against a 0.5 s timeout: the 12 MiB queued here cannot cross in one batch (up to 32 MiB).
+    link = SlowLink(redis_server.port, 4e6)
+    try:
+        srv = make_server("--capacity", MEM, "--redis", f"redis://127.0.0.1:{link.port}/0", "--redis-mode",
+                          "write-behind", "--redis-timeout", "0.5")
+        keys = chain(12, "slow")
+        async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+            assert (await kv.put(keys, blocks(keys, 1 << 20))).stored == 12
+
+            async def drained() -> bool:
+                return (await kv.stats())["tier"]["backlog_blocks"] == 0
+
+            await eventually(drained, 30, "the queue to drain")  # (was: the same batch timing out for ever)
+        assert all(in_redis(redis_server, NS, keys))
+    finally:
+        link.stop()
 
 
 async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -> None:
