@@ -198,6 +198,10 @@ def test_a_step_with_a_bad_count_is_refused_whole() -> None:
         s.build_step({"a": 24, "b": 24})
     assert s.pending_jobs == ()  # (was: a's store made, tracked, and lost with the exception)
     assert s.build_step({}) == []  # b's bad count was not kept
+    s.add_request("c", range(24))
+    s.num_external_tokens("c", 12, hits(0))  # a GPU prefix hit of one offloaded block...
+    with pytest.raises(ValueError, match="need 3 GPU blocks"):
+        s.on_alloc("c", [], 0)  # ... and no blocks for it (was: accepted; the next step failed instead)
     s.extend_blocks("b", gpu_blocks(3, base=203))
     jobs = s.build_step({"a": 24, "b": 24})
     assert [(j.req_id, len(j.keys)) for j in jobs] == [("a", 2), ("b", 2)]

@@ -213,6 +213,10 @@ class OffloadScheduler:
         req = self._live(req_id)
         if req.loading is not None or any(req.busy[b] for b in req.block_ids):
             raise ValueError(f"request {req_id!r} still has transfers in flight")
+        full = ((req.gpu_hit or 0) + num_external_tokens) // self.offloaded_block_size  # held once loaded
+        if len(gpu_block_ids) < full * self.factor:  # (a later step would fail on it, not this call)
+            raise ValueError(f"{full} offloaded blocks need {full * self.factor} GPU blocks, "
+                             f"the request has {len(gpu_block_ids)}")
         req.block_ids = list(gpu_block_ids)
         # What these blocks hold once the load is done: a count from before a preemption would
         # name blocks of the new allocation that were never computed.
