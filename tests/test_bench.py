@@ -155,6 +155,15 @@ def test_copy_probe_compares_glibc_settings_in_child_processes(capsys) -> None: 
     assert out.count("(1.00x)") >= 4  # each measurement's first column is its own baseline
 
 
+def test_ab_runs_as_a_script_without_its_folder_shadowing_the_stdlib() -> None:
+    # Its worker runs the file as a script, so kvstore/bench/ leads sys.path; copy.py there was
+    # imported by tarfile as the stdlib's copy, and every A/B run failed at start.
+    ab = Path(__file__).resolve().parent.parent / "kvstore" / "bench" / "ab.py"
+    done = subprocess.run([sys.executable, str(ab), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--rev" in done.stdout
+
+
 def test_profile_summary(tmp_path: Path) -> None:
     raw = tmp_path / "stacks.txt"
     raw.write_text("main (a.py:1);read (libc.so.6) 30\nmain (a.py:1);parse (protocol.py:10) 10\n")

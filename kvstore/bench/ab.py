@@ -20,18 +20,23 @@ Reported per case: median request latency (p50 of each burst), client CPU
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
-import time
-from typing import Any
+
+if __name__ == "__main__":  # the worker runs this file as a script: its folder must not shadow the stdlib
+    _here = os.path.dirname(os.path.abspath(__file__))  # (copy.py, profile.py; tarfile imports copy)
+    sys.path[:] = [d for d in sys.path if os.path.abspath(d or ".") != _here]
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tarfile  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 # (case, requests per burst)
 CASES = [("ping", 300), ("put 64KiB x1", 200), ("get 64KiB x1", 200), ("get_into 64KiB x1", 200),
@@ -217,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", nargs=2, metavar=("ADDR", "TAG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        here = os.path.dirname(os.path.abspath(__file__))  # run as a script: do not shadow the stdlib (profile.py)
-        sys.path[:] = [d for d in sys.path if os.path.abspath(d or ".") != here]
         try:
             import uvloop
             uvloop.run(_worker(*args.worker))
