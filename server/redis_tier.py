@@ -34,7 +34,7 @@ import json
 import logging
 import struct
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -159,6 +159,26 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
+class _EveryFew:
+    """At most one warning of a kind every ``seconds``; the next one says how many were held back
+    (a hot corrupted block is read again and again: one line per read would flood the log)."""
+
+    def __init__(self, seconds: float = 10.0) -> None:
+        self.seconds = seconds
+        self._next: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._held[kind] += 1
+            return
+        self._next[kind] = now + self.seconds
+        held = self._held.pop(kind, 0)
+        more = f" ({held} more like it in the last {self.seconds:.0f}s not logged)" if held else ""
+        log.warning(msg + more, *args)
+
+
 # -- the write-behind queue
 
 
@@ -279,6 +299,7 @@ class RedisTier(Tier):
         self._next_probe = 0.0
         self._probe_delay = _PROBE_MIN_S
         self._known_ns: set[str] = set()
+        self._key_warnings = _EveryFew()
         self._flusher: asyncio.Task[None] | None = None
         self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
         self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
@@ -553,18 +574,21 @@ class RedisTier(Tier):
             return None
         if isinstance(value, Exception):  # e.g. WRONGTYPE: not a string, so not one of our blocks
             self.counters["fetch_misses"] += 1
-            log.warning("redis key %s could not be read (%s); treated as a miss", block_key(ns, key), _describe(value))
+            self._key_warnings.warning("unreadable", "redis key %s could not be read (%s); treated as a miss",
+                                       block_key(ns, key), _describe(value))
             return None
         decoded = decode_value(value)
         if decoded is None:
-            log.warning("redis key %s does not hold a kvstore block value; ignored", block_key(ns, key))
+            self._key_warnings.warning("foreign", "redis key %s does not hold a kvstore block value; ignored",
+                                       block_key(ns, key))
             return None
         self.counters["fetched_blocks"] += 1
         data, checksum = decoded
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             # Returned anyway: the client checks the same checksum and reports the corruption.
             self.counters["checksum_mismatches"] += 1
-            log.warning("redis key %s fails its checksum (corrupted in redis)", block_key(ns, key))
+            self._key_warnings.warning("checksum", "redis key %s fails its checksum (corrupted in redis)",
+                                       block_key(ns, key))
         return decoded
 
     async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:

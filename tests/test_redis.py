@@ -117,7 +117,12 @@ async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: 
         assert payloads(await kv.get(keys[:1])) == data[:1]
         with pytest.raises(IntegrityError, match="checksum"):
             await kv.get(keys)
+        for _ in range(20):  # read again and again: still one log line (at most one per 10 s)
+            with pytest.raises(IntegrityError):
+                await kv.get(keys[1:])
+        assert (await kv.stats())["tier"]["checksum_mismatches"] == 21  # each one counted
     reader.wait_log("fails its checksum")
+    assert log_count(reader, "fails its checksum") == 1
 
 
 async def test_eviction_from_memory_never_deletes_from_redis(redis_server: RedisProcess, make_server) -> None:
