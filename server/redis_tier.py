@@ -511,7 +511,8 @@ class RedisTier(Tier):
 
     async def _flush_loop(self) -> None:
         """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the
-        head, and the next one is half its size (a timeout on a slow link must not repeat for ever)."""
+        head and the next one is half its size, a written one sizes the next to the link (a timeout on
+        a slow link must not repeat for ever: see ``_BATCH_BYTES``)."""
         while True:
             await self._up.wait()
             batch = await self.queue.take(self._batch_bytes)
