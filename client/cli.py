@@ -22,8 +22,10 @@ from kvstore import __version__
 from kvstore.config import format_size, parse_bool
 from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
 from kvstore.keys import check_key
+from kvstore.protocol import Ping
 
 from .aio import AsyncKVClient
+from .connection import open_connection
 
 PROG = "kvstore-cli"
 ENV = "KVSTORE_"
@@ -250,10 +252,28 @@ async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextI
 
 
 async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
-    for i in range(max(1, args.count)):
-        if i:
-            await asyncio.sleep(0.2)
-        print(f"PONG from {args.addr} in {await kv.ping() * 1000:.3f} ms", file=out)
+    """PING; without a token it skips HELLO, so it checks a server that wants tokens too
+    (a health check needs no secret); with one, the token is checked first."""
+    conn = None
+    if kv.token is None:
+        (node,) = kv.nodes
+        conn = await open_connection(node.host, node.port, namespace=kv.namespace, token=None, tls=kv.tls,
+                                     limits=kv.limits, timeout=kv.connect_timeout,
+                                     server_hostname=kv.server_hostname or node.host, unix=node.unix, hello=False)
+    try:
+        for i in range(max(1, args.count)):
+            if i:
+                await asyncio.sleep(0.2)
+            if conn is None:
+                rtt = await kv.ping()
+            else:
+                t0 = time.perf_counter()
+                await conn.request(Ping(), timeout=kv.timeout)
+                rtt = time.perf_counter() - t0
+            print(f"PONG from {args.addr} in {rtt * 1000:.3f} ms", file=out)
+    finally:
+        if conn is not None:
+            await conn.aclose()
     return 0
 
 
@@ -347,7 +367,8 @@ def _explain(exc: KVStoreError) -> str:
 async def _run(args: argparse.Namespace) -> int:
     kv = make_client(args)
     try:
-        await kv.connect()
+        if not (args.command == "ping" and kv.token is None):  # (a token-less ping says no HELLO)
+            await kv.connect()
         return await COMMANDS[args.command](kv, args, sys.stdout)
     finally:
         await kv.close()

@@ -240,8 +240,9 @@ def _drop_outcome(fut: asyncio.Future[Any]) -> None:
 
 async def open_connection(host: str, port: int, *, namespace: str, token: str | None, tls: ssl.SSLContext | None,
                           limits: Limits, timeout: float, server_hostname: str | None = None,
-                          unix: str | None = None) -> ClientConnection:
-    """Connect (to ``unix`` when given: a Unix socket path, no TLS) and say HELLO."""
+                          unix: str | None = None, hello: bool = True) -> ClientConnection:
+    """Connect (to ``unix`` when given: a Unix socket path, no TLS) and say HELLO (without
+    ``hello``: a bare connection, good for PING only, which a server answers without a token)."""
     loop = asyncio.get_running_loop()
     where = f"unix:{unix}" if unix else f"{host}:{port}"
     try:
@@ -257,6 +258,8 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
         raise TransportError(f"TLS handshake with {where} failed: {exc.reason or exc}") from None
     except OSError as exc:
         raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
+    if not hello:
+        return conn
     try:
         resp = await asyncio.wait_for(conn.request(Hello(namespace=namespace, token=token, client="kvstore-py")),
                                       timeout)
