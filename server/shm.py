@@ -460,6 +460,10 @@ def bind_unix_listener(path: str) -> socket.socket:
     try:
         sock.bind(path)
         os.chmod(path, SOCKET_MODE)
+    except OSError as exc:  # name the path: the caller's message names the TCP address
+        sock.close()
+        hint = " (its folder must exist and be writable)" if exc.errno in (errno.ENOENT, errno.EACCES, errno.EROFS) else ""
+        raise OSError(exc.errno, f"--unix {path}: {exc.strerror or exc}{hint}") from None
     except BaseException:
         sock.close()
         raise

@@ -72,6 +72,14 @@ def test_stale_socket_file_is_replaced_and_a_live_one_refused(unix_path: str) ->
         assert srv.proc is not None and srv.proc.poll() is None
 
 
+def test_a_unix_socket_in_a_missing_folder_is_named_in_the_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "no-such-dir" / "kv.sock"
+    done = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "8MiB",
+                           "--unix", str(path)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert f"--unix {path}: No such file or directory (its folder must exist" in done.stderr  # (named only the TCP address)
+
+
 async def test_bad_unix_addresses_are_clear_errors(unix_path: str) -> None:
     with pytest.raises(InvalidRequest):
         AsyncKVClient("unix:")
