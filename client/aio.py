@@ -276,6 +276,8 @@ class AsyncKVClient:
         addrs = [addr] if isinstance(addr, str) else list(addr)
         if not addrs:
             raise InvalidRequest("no server address given")
+        if len(set(addrs)) != len(addrs):
+            raise InvalidRequest(f"server addresses must be distinct, got {addrs}")
         self.namespace = namespace
         self.token = token
         self.tls = _ssl_context(tls)

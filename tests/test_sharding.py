@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
+
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.sharding import Ring
+from kvstore.errors import InvalidRequest, KVStoreError
 
 MEM = "16MiB"
 
@@ -87,3 +90,12 @@ def test_a_put_names_a_parent_only_to_the_server_that_holds_it() -> None:
         assert [kv._local_parent(node, None) for node in kv.nodes] == [None] * 3
     single = AsyncKVClient("10.0.0.1:7600", namespace="sh")
     assert single._local_parent(single.nodes[0], b"k") == b"k"
+
+
+def test_bad_address_lists_are_kvstore_errors() -> None:
+    for addrs in ([], ["127.0.0.1:7600", "127.0.0.1:7600"]):  # (a duplicate raised a bare ValueError)
+        with pytest.raises(InvalidRequest) as info:
+            AsyncKVClient(addrs)
+        assert isinstance(info.value, KVStoreError)
+        with pytest.raises(InvalidRequest):
+            KVClient(addrs)
