@@ -125,6 +125,7 @@ class Engine:
             self.executor = TransferExecutor(client, PagedKVTransfer(self.cache, cfg.block_size_factor),
                                              self.scheduler, pin=True)
         self.offloaded_blocks = 0
+        self.failed_stores = 0
 
     def generate(self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
         cfg, sched, rid = self.model.cfg, self.scheduler, "req"
@@ -161,7 +162,8 @@ class Engine:
         self._run(fin.stores)
         assert not sched.pending_jobs and not sched.num_requests
         return {"prompt_tokens": len(prompt), "loaded_tokens": external, "computed_tokens": len(prompt) - start,
-                "offloaded_blocks": self.offloaded_blocks, "tokens": tokens, "logits": all_logits}
+                "offloaded_blocks": self.offloaded_blocks, "failed_stores": self.failed_stores, "tokens": tokens,
+                "logits": all_logits}
 
     def _take(self, n: int) -> list[int]:
         taken, self.free = self.free[:n], self.free[n:]
@@ -177,6 +179,7 @@ class Engine:
         done = self.executor.run(jobs)
         self.free += done.freed
         self.offloaded_blocks += sum(len(j.keys) for j in jobs if isinstance(j, StoreJob) and j not in done.failed)
+        self.failed_stores += sum(isinstance(j, StoreJob) for j in done.failed)
         return bool(done.failed)
 
 
@@ -206,19 +209,25 @@ def run(mode: str, prompts: list[str], max_tokens: int, server: str | None,
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["prefill", "decode", "local"])
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--server", default="127.0.0.1:7600", help="kvstore-server host:port")
     args = parser.parse_args(argv)
+    failed = 0
     for res in run(args.mode, args.prompt, args.max_tokens, args.server):
         print(json.dumps(res), flush=True)
         print(f"{res['mode']}: {res['prompt']!r}: loaded {res['loaded_tokens']} tokens, computed "
               f"{res['computed_tokens']}, offloaded {res['offloaded_blocks']} blocks, "
               f"generated {bytes(res['tokens'])!r}", file=sys.stderr)
+        failed += res["failed_stores"]
+    if failed and args.mode == "prefill":  # its whole job: a decode node would not find those blocks
+        print(f"prefill: {failed} store(s) failed (see the warnings above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -69,6 +69,14 @@ def test_decode_process_continues_what_the_prefill_process_computed(kv_server: S
     assert local[0]["tokens"] != local[1]["tokens"]  # the prompts really lead to different text
 
 
+def test_a_prefill_whose_stores_fail_says_so_and_exits_1(make_server, tmp_path: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--max-block", "1KiB")  # every offloaded block is larger
+    cmd = [sys.executable, str(EXAMPLE), "prefill", "--server", srv.addr, "--prompt", P1]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1  # (was 0 with nothing stored)
+    assert "prefill: 1 store(s) failed" in proc.stderr and "offloaded 0 blocks" in proc.stderr
+
+
 def test_model_notices_wrong_kv() -> None:
     """The comparison above can fail: the same tokens with corrupted cached KV give other logits."""
     ex = load_example()
