@@ -206,8 +206,8 @@ async def pipe(r, w):
             w.write(data)
             await w.drain()
             await asyncio.sleep(len(data) / rate)
-    except OSError:
-        pass
+    except OSError:  # the other side went away
+        return
     finally:
         w.close()
 
