@@ -367,7 +367,7 @@ def _explain(exc: KVStoreError) -> str:
 async def _run(args: argparse.Namespace) -> int:
     kv = make_client(args)
     try:
-        if not (args.command == "ping" and kv.token is None):  # (a token-less ping says no HELLO)
+        if args.command != "ping":  # (ping connects its own way: without a token, no HELLO)
             await kv.connect()
         return await COMMANDS[args.command](kv, args, sys.stdout)
     finally:
