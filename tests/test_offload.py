@@ -207,6 +207,31 @@ def test_a_step_with_a_bad_count_is_refused_whole() -> None:
     assert [(j.req_id, len(j.keys)) for j in jobs] == [("a", 2), ("b", 2)]
 
 
+def test_a_refused_on_alloc_changes_nothing() -> None:
+    s = make()
+    s.keep_unused = True
+    s.add_request("r", range(40))
+    assert s.num_external_tokens("r", 0, hits(2)) == 24
+    with pytest.raises(ValueError, match="do not end at a found offloaded block"):
+        s.on_alloc("r", gpu_blocks(10), 20)  # not whole offloaded blocks
+    assert s.build_step({}) == []  # (was: a store from blocks 100-102, never loaded nor computed)
+    assert s.take_unused() == []  # the finds still wait for the load
+    load = s.on_alloc("r", gpu_blocks(10), 24)
+    assert load is not None and len(load.keys) == 2
+
+
+def test_on_alloc_again_without_preempt_waits_for_stores_from_the_blocks_it_replaces() -> None:
+    s = make()
+    s.add_request("r", range(24))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (store,) = s.build_step({"r": 24})
+    with pytest.raises(ValueError, match="in flight"):
+        s.on_alloc("r", gpu_blocks(6, base=200), 0)
+    assert s.on_store_done(store.job_id) == ()
+    assert s.on_alloc("r", gpu_blocks(6, base=200), 0) is None
+
+
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
     s = make()
     s.add_request("r", range(23))

@@ -213,29 +213,27 @@ class OffloadScheduler:
         req = self._live(req_id)
         if req.loading is not None or any(req.busy[b] for b in req.block_ids):
             raise ValueError(f"request {req_id!r} still has transfers in flight")
-        full = ((req.gpu_hit or 0) + num_external_tokens) // self.offloaded_block_size  # held once loaded
-        if len(gpu_block_ids) < full * self.factor:  # (a later step would fail on it, not this call)
-            raise ValueError(f"{full} offloaded blocks need {full * self.factor} GPU blocks, "
-                             f"the request has {len(gpu_block_ids)}")
-        req.block_ids = list(gpu_block_ids)
-        # What these blocks hold once the load is done: a count from before a preemption would
-        # name blocks of the new allocation that were never computed.
-        req.computed = (req.gpu_hit or 0) + num_external_tokens
-        found, req.found = req.found, ()
-        if num_external_tokens == 0:
-            self._unuse(found)
-            return None
-        gpu_hit = req.gpu_hit
-        if gpu_hit is None:
+        gpu_hit = req.gpu_hit  # every check comes first: a refused call changes nothing
+        if num_external_tokens and gpu_hit is None:
             raise ValueError("call num_external_tokens before on_alloc with external tokens")
-        end_tokens = gpu_hit + num_external_tokens
-        end, rest = divmod(end_tokens, self.offloaded_block_size)
-        if num_external_tokens < 0 or rest or end > req.hit_end:
+        end, rest = divmod((gpu_hit or 0) + num_external_tokens, self.offloaded_block_size)  # held once loaded
+        if num_external_tokens and (num_external_tokens < 0 or rest or end > req.hit_end):
             raise ValueError(
                 f"{num_external_tokens} external tokens after a GPU hit of {gpu_hit} "
                 f"do not end at a found offloaded block (found up to block {req.hit_end})"
             )
-        self._need_blocks(req, end)
+        if len(gpu_block_ids) < end * self.factor:  # (a later step would fail on it, not this call)
+            raise ValueError(f"{end} offloaded blocks need {end * self.factor} GPU blocks, "
+                             f"the request has {len(gpu_block_ids)}")
+        req.block_ids = list(gpu_block_ids)
+        # What these blocks hold once the load is done: a count from before a preemption would
+        # name blocks of the new allocation that were never computed.
+        req.computed = (gpu_hit or 0) + num_external_tokens
+        found, req.found = req.found, ()
+        if num_external_tokens == 0:
+            self._unuse(found)
+            return None
+        assert gpu_hit is not None
         start = gpu_hit // self.offloaded_block_size
         self._unuse(found[end - start:])  # found, but beyond what the engine takes
         first_gpu = gpu_hit // self.gpu_block_size
