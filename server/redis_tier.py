@@ -175,7 +175,7 @@ class _EveryFew:
             return
         self._next[kind] = now + self.seconds
         held = self._held.pop(kind, 0)
-        more = f" ({held} more like it in the last {self.seconds:.0f}s not logged)" if held else ""
+        more = f" ({held} more like it since the last one not logged)" if held else ""
         log.warning(msg + more, *args)
 
 
@@ -306,6 +306,7 @@ class RedisTier(Tier):
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block = _BULK_LEN - HEADER_SIZE
+        self._limit_read = False  # read once Redis first answers (it may come up after us)
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "failures": 0, "outages": 0}
 
@@ -355,6 +356,7 @@ class RedisTier(Tier):
 
     async def _read_bulk_limit(self) -> None:
         """Take Redis's proto-max-bulk-len where CONFIG GET is allowed (else its default, 512 MB)."""
+        self._limit_read = True
         try:
             reply = await self.client.config_get("proto-max-bulk-len")
             limits = [reply] if "proto-max-bulk-len" in reply else list(reply.values())  # (cluster: per node)
@@ -430,6 +432,8 @@ class RedisTier(Tier):
             self._probe_delay = min(self._probe_delay * 2, _PROBE_MAX_S)
             self._next_probe = time.monotonic() + self._probe_delay
         else:
+            if not self._limit_read:  # before the queue drains: what it holds is checked against it
+                await self._read_bulk_limit()
             self._mark_up()
 
     def _unavailable(self) -> Unavailable:
@@ -516,6 +520,16 @@ class RedisTier(Tier):
         while True:
             await self._up.wait()
             batch = await self.queue.take(self._batch_bytes)
+            too_big = [it for it in batch if len(it.value) - HEADER_SIZE > self.max_block]
+            if too_big:  # queued before Redis's limit was known (it was down): Redis would drop each try
+                await self.queue.finish(too_big, written=True)
+                self.counters["failures"] += len(too_big)
+                log.error("redis %s takes blocks of at most %d bytes (proto-max-bulk-len): %d acknowledged "
+                          "write-behind block(s) larger than that stay in memory only", self.target,
+                          self.max_block, len(too_big))
+                batch = [it for it in batch if len(it.value) - HEADER_SIZE <= self.max_block]
+                if not batch:
+                    continue
             nbytes, began = sum(len(it.value) for it in batch), time.monotonic()
             try:
                 await self._write(batch)

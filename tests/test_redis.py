@@ -178,6 +178,30 @@ async def test_a_block_larger_than_redis_takes_is_refused_at_put(make_redis, mak
     assert in_redis(redis, NS, keys) == [True, False, True, True]
 
 
+async def test_redis_limit_is_learnt_when_redis_comes_up_after_the_server(tmp_path, make_server) -> None:  # type: ignore[no-untyped-def]
+    redis = RedisProcess(tmp_path / "late", args=["--proto-max-bulk-len", "1mb"])  # not started yet
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind")
+    keys = chain(6, "late")
+    data = blocks(keys, 300_000)
+    data[1] = data[4] = random.Random(2).randbytes(2 << 20)
+    try:
+        async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=10) as kv:
+            assert (await kv.put(keys[:3], data[:3])).stored == 3  # queued; the limit is not known yet
+            redis.start()
+
+            async def caught_up() -> bool:
+                tier = (await kv.stats())["tier"]
+                return tier["state"] == "ok" and tier["backlog_blocks"] == 0
+
+            await eventually(caught_up, 15, "the queue to drain")  # (was: stuck behind the big block)
+            with pytest.raises(TooLarge, match="backing tier"):  # the limit, read on recovery
+                await kv.put(keys[3:], data[3:])
+        assert in_redis(redis, NS, keys) == [True, False, True, True, False, True]
+        srv.wait_log("stay in memory only")
+    finally:
+        redis.stop()
+
+
 async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(make_redis, make_server) -> None:
     redis = make_redis(args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
     srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", "--drain-seconds", "1")
