@@ -358,7 +358,8 @@ class RedisTier(Tier):
         """Take Redis's proto-max-bulk-len where CONFIG GET is allowed (else its default, 512 MB)."""
         self._limit_read = True
         try:
-            reply = await self.client.config_get("proto-max-bulk-len")
+            every_master = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}  # (else: a random node)
+            reply = await self.client.config_get("proto-max-bulk-len", **every_master)
             limits = [reply] if "proto-max-bulk-len" in reply else list(reply.values())  # (cluster: per node)
             values = [int(r["proto-max-bulk-len"]) for r in limits if str(r.get("proto-max-bulk-len", "")).isdigit()]
         except (*_REDIS_ERRORS, AttributeError, TypeError):  # a managed Redis may refuse CONFIG

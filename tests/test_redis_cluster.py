@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.client import AsyncKVClient
-from kvstore.errors import Unavailable
+from kvstore.errors import TooLarge, Unavailable
 from kvstore.server.redis_tier import block_key, ns_record_key
 
 from redis_fixtures import blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
@@ -113,3 +113,17 @@ async def test_connections_the_cluster_dropped_are_reopened_not_an_outage(
         assert (await kv.put(keys[6:], data[6:])).stored == 6  # (was: Unavailable, the tier degraded)
         tier = (await kv.stats())["tier"]
         assert tier["state"] == "ok" and tier["outages"] == 0
+
+
+async def test_the_value_limit_is_the_lowest_of_every_master(redis_cluster: RedisClusterProcesses,
+                                                             make_server) -> None:
+    low = redis_cluster.nodes[2]
+    low.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    try:
+        srv = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+        keys = chain(2, "bulk")
+        async with AsyncKVClient(srv.addr, namespace="bulk", retries=0) as kv:
+            with pytest.raises(TooLarge, match="backing tier"):  # whichever master the key would go to
+                await kv.put(keys, [b"s" * 1000, b"b" * (2 << 20)])
+    finally:
+        low.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
