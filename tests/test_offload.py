@@ -232,6 +232,21 @@ def test_on_alloc_again_without_preempt_waits_for_stores_from_the_blocks_it_repl
     assert s.on_alloc("r", gpu_blocks(6, base=200), 0) is None
 
 
+def test_a_preempted_remote_decode_request_stores_everything_again() -> None:
+    """Blocks it stored may be evicted before it resumes; the remote decoder needs them all."""
+    s = make()
+    s.add_request("r", range(24), {"do_remote_decode": True})
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (store,) = s.build_step({"r": 24})
+    assert s.on_store_done(store.job_id) == ()
+    assert s.preempt("r") == tuple(gpu_blocks(6))
+    # resumed; the store evicted block 0 meanwhile, so the lookup finds nothing: all recomputed
+    assert s.on_alloc("r", gpu_blocks(6, base=200), s.num_external_tokens("r", 0, hits(0))) is None
+    (again,) = s.build_step({"r": 24})
+    assert again.first_block == 0 and len(again.keys) == 2  # (was: nothing, the cursor past both)
+
+
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
     s = make()
     s.add_request("r", range(23))

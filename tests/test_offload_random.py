@@ -8,10 +8,11 @@ mid-load and mid-store, and ``preempt()`` with transfers in flight, tokens arriv
 and aborts before resuming. Checked: a store has the right chain keys and parent and reads
 exactly the true KV, a load leaves it in its blocks; no block comes back while a pending job
 uses it, every block handed out comes back exactly once (``preempt``, ``free_now`` or
-``on_*_done``); no store during the request's load, no block stored twice; where no store
-failed, every full computed block is stored (do_remote_decode) or stored or loaded (without:
-and no loaded block stored again); each lookup find is loaded or ``take_unused`` once; at the
-end nothing is pending or tracked. 200 seeds run in about a second.
+``on_*_done``); no store during the request's load, no block stored twice (but all again by a
+do_remote_decode request after a preemption); where no store failed, every full computed block
+is stored (do_remote_decode) or stored or loaded (without: and no loaded block stored again);
+each lookup find is loaded or ``take_unused`` once; at the end nothing is pending or tracked.
+200 seeds run in about a second.
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class Sim:
         self.seen["preempt mid-store"] += any(j.req_id == r.rid for j in self.jobs.values())
         free = self.s.preempt(r.rid)
         r.blocks, r.computed, r.state, r.preempted = [], 0, "waiting", True
+        if r.remote:  # it stores everything again (the store may have evicted some meanwhile)
+            r.emitted.clear()
         self.give_back(r.rid, free)
 
     def end(self, r: Req) -> None:

@@ -317,9 +317,12 @@ class OffloadScheduler:
     def preempt(self, req_id: str) -> tuple[int, ...]:
         """The engine takes the request's GPU blocks back; it stays tracked, to resume later.
 
-        What the store holds of it stays there (the cursor keeps its place). Resuming goes
-        through :meth:`num_external_tokens` and :meth:`on_alloc` again; until then nothing is
-        stored from the old blocks, whatever tokens arrive.
+        What the store holds of it stays there, and the cursor keeps its place -- except with
+        ``do_remote_decode``, where it goes back to the start: the store may evict some of those
+        blocks before the request resumes, and the remote decoder needs every one (those still
+        there are answered "existed"). Resuming goes through :meth:`num_external_tokens` and
+        :meth:`on_alloc` again; until then nothing is stored from the old blocks, whatever
+        tokens arrive.
 
         Returns:
             the blocks no transfer uses, to free now; blocks a transfer still reads or writes
@@ -329,6 +332,8 @@ class OffloadScheduler:
         free_now = tuple(b for b in req.block_ids if not req.busy[b])
         req.retired.update(b for b in req.block_ids if req.busy[b])
         req.block_ids, req.computed = [], 0
+        if req.remote_decode:
+            req.next_store = 0
         self._unuse(req.found)
         req.found, req.gpu_hit, req.hit_end = (), None, 0
         return free_now
