@@ -87,6 +87,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _timeout(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:  # a socket timeout of 0 is a non-blocking socket: every Redis call would fail
+        raise argparse.ArgumentTypeError(f"not a timeout > 0: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(
@@ -118,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--redis-queue-bytes", _size, d.redis_queue_bytes, "write-behind queue bound (puts wait while full)")
     # a negative TTL would make Redis refuse every SET ... EX, so every PUT would fail
     add("--redis-ttl", _count, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
-    add("--redis-timeout", _seconds, d.redis_timeout, "Redis socket timeout in seconds")
+    add("--redis-timeout", _timeout, d.redis_timeout, "Redis socket timeout in seconds")
     # operations and hardening (docs/operations.md)
     add("--metrics-port", _optional_port, d.metrics_port,
         "serve /metrics, /healthz, /livez over HTTP on --host at this port (0 = any free port; off if unset)")

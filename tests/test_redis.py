@@ -356,6 +356,9 @@ def test_cli_rejects_bad_redis_settings() -> None:
     assert bad.returncode == 2 and "--redis" in bad.stderr
     mode = run("--redis-mode", "sometimes")
     assert mode.returncode == 2 and "invalid choice" in mode.stderr
+    for value in ("0", "-1"):  # (0 was taken: a non-blocking Redis socket)
+        timeout = run("--redis", "redis://127.0.0.1:1/0", "--redis-timeout", value)
+        assert timeout.returncode == 2 and "--redis-timeout" in timeout.stderr
 
 
 async def test_rediss_url_with_password_and_db(make_redis, make_server) -> None:
