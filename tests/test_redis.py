@@ -40,6 +40,17 @@ def log_count(srv: ServerProcess, text: str) -> int:
     return sum(text in line for line in srv.log)
 
 
+async def written_to_redis(make_server, redis: RedisProcess, tag: str, n: int) -> tuple[list[bytes], list[bytes]]:  # type: ignore[no-untyped-def]
+    """A chain of ``n`` 4 KiB blocks put through a write-through server of its own (the reader
+    a test starts next has empty memory, so it reads through)."""
+    keys = chain(n, tag)
+    data = blocks(keys, 4096)
+    writer = make_server("--capacity", MEM, "--redis", redis.url)
+    async with AsyncKVClient(writer.addr, namespace=NS) as kv:
+        await kv.put(keys, data)
+    return keys, data
+
+
 # ---------------------------------------------------------------- layout, TTL
 
 
@@ -104,11 +115,7 @@ async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server:
 
 
 async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: RedisProcess, make_server) -> None:
-    keys = chain(2, "corrupt")
-    data = blocks(keys, 4096)
-    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
-    async with AsyncKVClient(writer.addr, namespace=NS) as kv:
-        await kv.put(keys, data)
+    keys, data = await written_to_redis(make_server, redis_server, "corrupt", 2)
     other = "A" if data[1][10] != ord("A") else "B"
     redis_server.cli("SETRANGE", block_key(NS, keys[1]), str(HEADER_SIZE + 10), other)  # one byte changed
 
@@ -140,11 +147,7 @@ async def test_eviction_from_memory_never_deletes_from_redis(redis_server: Redis
 
 
 async def test_lookup_counts_only_blocks_a_get_can_return(redis_server: RedisProcess, make_server) -> None:
-    keys = chain(6, "foreign")
-    data = blocks(keys, 4096)
-    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
-    async with AsyncKVClient(writer.addr, namespace=NS) as kv:
-        await kv.put(keys, data)
+    keys, _ = await written_to_redis(make_server, redis_server, "foreign", 6)
     redis_server.cli("DEL", block_key(NS, keys[3]))
     redis_server.cli("LPUSH", block_key(NS, keys[3]), "x")  # another type under the key
     redis_server.cli("SET", block_key(NS, keys[4]), "hello")  # a value without kvstore's header
