@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
 from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
+from kvstore.sockets import tune
 
 SinkFactory = Callable[[dict[str, Any]], PayloadSink]
 
@@ -54,9 +54,7 @@ class ClientConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(transport.get_extra_info("socket"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = self.close_reason or TransportError(f"connection lost: {exc}" if exc else "connection closed by server")

@@ -28,6 +28,7 @@ from kvstore.protocol import (
     Stats, Unpin, error_reply, foreign_reply, reply,
 )
 from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
+from kvstore.sockets import tune
 from kvstore.store import BlockRef
 
 from .poll import BusyPoll
@@ -82,8 +83,7 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport
         self.registry.add(self)
         sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         # high=0: pause_writing/resume_writing tell exactly when unsent output exists and when it drained.
         transport.set_write_buffer_limits(high=0, low=0)
         peer = transport.get_extra_info("peername")

@@ -8,13 +8,17 @@ import socket
 import stat
 import subprocess
 import sys
+import termios
+import time
+from fcntl import ioctl
 
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import InvalidRequest, TransportError
-from kvstore.protocol import Frame, FrameReader, Hello, ShmAttach, encode
+from kvstore.protocol import Frame, FrameReader, Get, Hello, ShmAttach, encode
 from kvstore.server.process import ServerProcess
+from kvstore.sockets import UNIX_SNDBUF
 
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
     MakeServer, assert_attach_maps, data, error_code, key, reply_fields, unix_path,
@@ -42,6 +46,38 @@ async def test_unix_round_trip_without_shm(make_server: MakeServer, unix_path: s
     assert stats["bytes_in"] > sum(SIZES)  # the payload crossed the socket
     async with AsyncKVClient(srv.addr, namespace="u") as tcp:  # the same store, seen over TCP
         assert [bytes(b) for b in await tcp.get(keys)] == blocks
+
+
+def _wmem_max() -> int:
+    with open("/proc/sys/net/core/wmem_max") as f:
+        return int(f.read())
+
+
+async def test_both_ends_of_a_unix_socket_ask_for_a_larger_send_buffer(make_server: MakeServer,
+                                                                       unix_path: str) -> None:
+    """A Unix socket's send buffer is not autotuned as TCP's is; at the 208 KiB default a
+    32 MiB put or get went through ~160 sleeps and wakeups of the writer (slower than TCP).
+
+    Client end: its socket's SO_SNDBUF. Server end, seen from outside: the bytes of a GET reply
+    that the server got into the socket while this client reads nothing (at most its send buffer).
+    """
+    srv = make_server("--capacity", "32MiB", "--unix", unix_path, "--no-shm")
+    want = min(UNIX_SNDBUF, _wmem_max())  # what the kernel grants (it reports twice that)
+    k = key(1, "sndbuf")
+    block = data(k, want // 2)
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="b") as kv:
+        sock = (await kv.nodes[0].connection()).transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * want
+        await kv.put([k], [block])
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(unix_path)
+        raw.sendall(b"".join(bytes(b) for b in [*encode(Hello(namespace="b"), 1), *encode(Get(keys=[k]), 2)]))
+        deadline, queued = time.monotonic() + 10, 0
+        while queued < len(block) and time.monotonic() < deadline:  # the server writes what the buffer takes
+            time.sleep(0.01)
+            queued = int.from_bytes(ioctl(raw, termios.FIONREAD, bytes(4)), sys.byteorder)
+        assert queued >= len(block), f"only {queued} bytes of a {len(block)}-byte reply reached the socket"
+    assert srv.proc.poll() is None
 
 
 def test_sync_client_over_unix_env_var_and_socket_removed_on_sigterm(unix_path: str) -> None:
