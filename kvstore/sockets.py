@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Any
 
@@ -20,8 +21,6 @@ def tune(sock: Any) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     elif sock.family == socket.AF_UNIX:
-        try:
+        with contextlib.suppress(OSError):  # a socket that refuses the option works as it is
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 2 * UNIX_SNDBUF:  # (reported doubled)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
-        except OSError:  # a socket that refuses the option works as it is
-            pass
