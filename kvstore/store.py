@@ -40,7 +40,7 @@ import heapq
 import itertools
 import math
 import time
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any, TypedDict
@@ -129,6 +129,8 @@ class _Block:
 
 # Field getters for the C loops over a batch's blocks.
 _PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter("stranded")
+
+_LEASE_HEAP_MIN = 4096  # keys named by lease deadlines before the first sweep of stale ones
 
 
 class Reservation:
@@ -229,6 +231,8 @@ class BlockStore:
         self._ns_bytes: dict[str, int] = {}
         self._lease_heap: list[tuple[float, int, str, list[bytes]]] = []  # (deadline, seq, ns, keys)
         self._lease_seq = itertools.count()
+        self._lease_heap_keys = 0  # keys the heap's entries name
+        self._lease_heap_limit = _LEASE_HEAP_MIN
         # Accounting over indexed blocks (dead blocks kept for readers are not counted).
         self._count = 0
         self._payload = 0
@@ -425,7 +429,7 @@ class BlockStore:
                 self._stranded -= 1
 
     def acquire(self, ns: str, key: bytes) -> BlockRef | None:
-        """Pin a block for an in-flight read, touch it and renew its leases.
+        """Pin a block for an in-flight read and touch it (its leases keep their deadlines).
 
         Returns:
             A reference (read-only ``views``) to pass to ``release``, or None.
@@ -447,9 +451,7 @@ class BlockStore:
             if block is None:
                 refs.append(None)
                 continue
-            if block.leases is not None:
-                self._renew(block)
-            elif not block.refs:  # pinned from now on (inline: this loop runs per block sent)
+            if not block.refs and block.leases is None:  # pinned from now on (inline: this loop runs per block sent)
                 self._pinned_pages += block.pages
                 self._pinned_blocks += 1
             block.refs += 1
@@ -549,6 +551,7 @@ class BlockStore:
         dropped = 0
         while heap and heap[0][0] <= now:
             _, _, ns, keys = heapq.heappop(heap)
+            self._lease_heap_keys -= len(keys)
             for key in keys:
                 block = self._find(ns, key)  # may be gone, or a newer block under the key
                 if block is not None and block.leases is not None and block.leases[0] <= now:
@@ -731,15 +734,41 @@ class BlockStore:
             else:
                 insort(leases, deadline)
         self._leases += len(blocks)
-        heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), ns, keys))
+        self._push_lease(deadline, ns, keys)
 
-    def _renew(self, block: _Block) -> None:
-        """Extend the block's leases to at least ``lease_s`` from now (a read started)."""
-        assert block.leases is not None
-        deadline = self._clock() + self._lease_s
-        if block.leases[0] < deadline:
-            block.leases = [max(t, deadline) for t in block.leases]
-            heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), block.pkey[0], [block.pkey[1]]))
+    def _push_lease(self, deadline: float, ns: str, keys: list[bytes]) -> None:
+        """File a deadline for :meth:`expire_leases`. Its entry outlives a lease dropped before it
+        ends (a client pinning for an hour and unpinning at once, say): once the entries
+        name twice the keys the last sweep kept, :meth:`_sweep_leases` drops those."""
+        heapq.heappush(self._lease_heap, (deadline, next(self._lease_seq), ns, keys))
+        self._lease_heap_keys += len(keys)
+        if self._lease_heap_keys > self._lease_heap_limit:
+            self._sweep_leases()
+            self._lease_heap_limit = 2 * self._lease_heap_keys + _LEASE_HEAP_MIN
+
+    def _sweep_leases(self) -> None:
+        """Keep the entries that still stand for a lease: every lease was filed with its very
+        deadline, so a block holding ``n`` leases ending at ``t`` needs ``n`` entries at ``t``."""
+        left: dict[tuple[str, bytes, float], int] = {}
+        kept = []
+        for entry in self._lease_heap:
+            deadline, _, ns, keys = entry
+            needed = False
+            for key in keys:
+                n = left.get((ns, key, deadline))
+                if n is None:
+                    block = self._find(ns, key)
+                    leases = block.leases if block is not None else None
+                    n = bisect_right(leases, deadline) - bisect_left(leases, deadline) if leases else 0
+                if n:
+                    needed = True
+                    n -= 1
+                left[ns, key, deadline] = n
+            if needed:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._lease_heap = kept
+        self._lease_heap_keys = sum(len(e[3]) for e in kept)
 
     def _drop_leases(self, block: _Block, n: int) -> None:
         """Drop the block's ``n`` soonest-expiring leases."""

@@ -322,3 +322,22 @@ async def test_protocol_error_from_server_reaches_client_as_typed_error(server) 
         with pytest.raises((ProtocolError, TransportError)):
             await kv.ping()
         assert await kv.ping() >= 0  # a new connection replaces the broken one
+
+
+async def test_leases_of_readers_gone_end_on_time_while_others_read_the_block(make_server) -> None:
+    """Clients that pinned blocks and went away: their leases end after --lease-seconds even
+    while others keep reading those blocks (each read used to renew every lease on the block,
+    so theirs never ended, and pinned lookups between reads piled leases up without end)."""
+    srv = make_server("--capacity", "8MiB", "--lease-seconds", "0.5")
+    keys = [key(i, "lease") for i in range(2)]
+    async with AsyncKVClient(srv.addr, namespace="l") as kv:
+        await kv.put(keys, [block(i, 4096) for i in range(2)])
+        for _ in range(5):
+            async with AsyncKVClient(srv.addr, namespace="l") as gone:
+                assert await gone.lookup(keys, pin=True) == 2
+        assert (await kv.stats())["store"]["leases"] == 10
+        bufs = [bytearray(4096) for _ in keys]
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            assert await kv.get_into(keys, bufs) == [True, True]
+        assert (await kv.stats())["store"]["leases"] == 0

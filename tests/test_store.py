@@ -14,6 +14,7 @@ import pytest
 from kvstore.errors import CapacityError, InvalidRequest, TooLarge
 from kvstore.keys import MAX_KEY_LEN, check_key, check_keys
 from kvstore.store import BlockRef, BlockStore
+import kvstore.store as store_module
 
 PS = 1024
 NS = "model/bf16/tp0"
@@ -496,7 +497,7 @@ def test_unpin_drops_the_soonest_lease(policy: str, clock: FakeClock) -> None:
     assert store.reserve(NS, k(2), 2 * PS) is not None
 
 
-def test_acquire_pins_until_release_and_renews_leases(policy: str, clock: FakeClock) -> None:
+def test_acquire_pins_until_release_and_leases_keep_their_time(policy: str, clock: FakeClock) -> None:
     store = make(policy, 2, clock, lease_s=10.0)
     put_batch(store, [0])
     put_batch(store, [1])
@@ -509,18 +510,47 @@ def test_acquire_pins_until_release_and_renews_leases(policy: str, clock: FakeCl
     with pytest.raises(ValueError):
         store.release(ref)
     assert store.stats()["pinned_blocks"] == 0
-    # a lease from t=0 is renewed by a read at t=8: still pinned at t=15
+    # a lease from t=0 (lease_s 10) protects through a read at t=8 until t=10, not beyond
     store.lookup(NS, [k(2)], pin=True)
     clock.now = 8.0
     ref = store.acquire(NS, k(2))
     assert ref is not None
     store.release(ref)
-    clock.now = 15.0
+    clock.now = 9.5
     put_batch(store, [3])  # evicts [0]
     assert present(store, [0, 2, 3]) == [2, 3]
-    clock.now = 18.0
-    put_batch(store, [4], size=2 * PS)  # the renewed lease is over: [2] may go too
+    clock.now = 10.5
+    put_batch(store, [4], size=2 * PS)  # the lease is over: [2] may go too
     assert present(store, [2, 3, 4]) == [4]
+
+
+def test_a_read_does_not_extend_leases(policy: str, clock: FakeClock) -> None:
+    """A lease ends at its time (or at UNPIN). Leases belong to no reader, so a read that
+    renewed them kept the leases of clients long gone alive while anyone read the block."""
+    store = make(policy, 4, clock, lease_s=10.0)
+    put_batch(store, [0])
+    assert store.lookup(NS, [k(0)], pin=True) == store.lookup(NS, [k(0)], pin=True) == 1
+    clock.now = 8.0
+    ref = store.acquire(NS, k(0))
+    assert ref is not None
+    store.release(ref)
+    clock.now = 10.5
+    assert store.stats()["leases"] == 0 and store.stats()["pinned_blocks"] == 0
+
+
+def test_deadlines_of_dropped_leases_do_not_pile_up(policy: str, clock: FakeClock) -> None:
+    """Each pinned lookup files a deadline; an hour-long lease dropped at once must not leave
+    its entry behind for the hour."""
+    store = make(policy, 4, clock)
+    put_batch(store, [0])
+    for _ in range(10_000):
+        store.lookup(NS, [k(0)], pin=True, lease_s=3600.0)
+        assert store.unpin(NS, [k(0)]) == 1
+    assert len(store._lease_heap) < 5000  # (of 10,000 filed; nothing public shows the entries)
+    assert store.stats()["leases"] == 0
+    store.lookup(NS, [k(0)], pin=True, lease_s=5.0)  # and expiry still works after the sweeps
+    clock.now = 6.0
+    assert store.stats()["leases"] == 0
 
 
 def test_block_ref_views_are_read_only(policy: str) -> None:
@@ -583,7 +613,11 @@ def test_partial_batch_stops_at_capacity(policy: str, clock: FakeClock) -> None:
 
 
 @pytest.mark.parametrize("seed", [7, 8, 9])
-def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
+@pytest.mark.parametrize("sweep_at", [None, 4])
+def test_random_churn_keeps_every_invariant(policy: str, seed: int, sweep_at: int | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if sweep_at is not None:  # stale lease deadlines swept out all along (the store's own minimum is larger)
+        monkeypatch.setattr(store_module, "_LEASE_HEAP_MIN", sweep_at)
     rng = random.Random(seed)
     clock = FakeClock()
     store = BlockStore(32 * PS, eviction=policy, page_size=PS, lease_s=5.0, clock=clock)
@@ -617,11 +651,6 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
         assert stats["reserved_bytes"] == 0
         for ns, key in rng.sample(sorted(live), min(4, len(live))):
             assert store.get(ns, key) == contents[ns, key][0]
-            renew(ns, key)
-
-    def renew(ns: str, key: bytes) -> None:  # a read extends the block's leases
-        if (ns, key) in leases:
-            leases[ns, key] = [max(t, clock.now + 5.0) for t in leases[ns, key]]
 
     for _ in range(500):
         ns = rng.choice(namespaces)
@@ -659,7 +688,6 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int) -> None:
             ref = store.acquire(ns, chain[0])
             if ref is not None:
                 refs.append((ref, ns, chain[0], contents[ns, chain[0]][0], contents[ns, chain[0]][1]))
-                renew(ns, chain[0])
         elif op < 0.75 and refs:
             ref, _, _, payload, _ = refs.pop(rng.randrange(len(refs)))
             assert b"".join(ref.views) == payload  # intact while held, even if deleted
