@@ -76,7 +76,7 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM certificate chain; TLS needs both cert and key
     tls_key: str | None = None
     idle_timeout: float = 300.0  # close a connection that sent nothing and awaits nothing this long; 0 = never
-    frame_timeout: float = 60.0  # drop a connection whose started frame is not complete this long; 0 = never
+    frame_timeout: float = 60.0  # drop a connection whose started frame (or reply) does not complete this long; 0 = never
     max_connections: int = 1024  # connections over the cap get an error reply and are closed
     max_batch: int = 16384  # keys per request
     max_frame_size: int = 2 << 30  # payload bytes per frame

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tls-key", str, d.tls_key, "the PEM private key of --tls-cert")
     add("--idle-timeout", _seconds, d.idle_timeout, "close a connection silent for this long (0 = never)")
     add("--frame-timeout", _seconds, d.frame_timeout,
-        "drop a connection whose frame is incomplete this long (0 = never)")
+        "drop a connection whose frame is incomplete, or whose reply does not move, this long (0 = never)")
     add("--max-connections", _count, d.max_connections, "refuse connections over this many")
     add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
     add("--max-batch", _count, d.max_batch, "most keys in one request")

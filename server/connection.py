@@ -75,7 +75,8 @@ class Connection(asyncio.BufferedProtocol):
         self.received = 0
         self.events = 0
         self._seen = (-1, -1)
-        self._last_rx_at = self._frame_since = 0.0
+        self._last_rx_at = self._frame_since = self._unsent_since = 0.0
+        self._unsent_seen = 0  # unsent_bytes() at the last check_timeouts
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -340,15 +341,22 @@ class Connection(asyncio.BufferedProtocol):
         self._update_idle()
 
     def check_timeouts(self, now: float, idle_timeout: float, frame_timeout: float) -> None:
-        """Called about once a second: close a silent connection, drop one stuck mid-frame.
+        """Called about once a second: close a silent connection, drop one stuck mid-frame
+        or one that has stopped reading its replies.
 
         A connection waiting on *us* -- a reply still draining, a tier call,
         reading paused by back-pressure -- is neither idle nor stalled. A
         slowloris that trickles bytes is not idle, but its frame never
-        completes, so the frame timeout drops it.
+        completes, so the frame timeout drops it. Nor is a reply that stopped
+        draining waited for: its peer is not reading, and its blocks stay pinned
+        until it is sent.
         """
         if self.closing or self.transport is None:
             return
+        unsent = self.unsent_bytes()
+        if unsent != self._unsent_seen:  # the peer is reading (or nothing is owed)
+            self._unsent_since = now
+        self._unsent_seen = unsent
         waiting_on_us = self.output_pending or bool(self.tasks) or self.reading_paused
         received, events = self.received, self.events
         if waiting_on_us or received != self._seen[0]:
@@ -358,6 +366,8 @@ class Connection(asyncio.BufferedProtocol):
         self._seen = (received, events)
         if frame_timeout and now - self._frame_since > frame_timeout:
             self._time_out("frame", frame_timeout)
+        elif frame_timeout and unsent and now - self._unsent_since > frame_timeout:
+            self._time_out("reply", frame_timeout)  # the peer stopped reading; its reply's blocks stay pinned
         elif idle_timeout and now - self._last_rx_at > idle_timeout:
             self._time_out("idle", idle_timeout)
 
@@ -367,8 +377,8 @@ class Connection(asyncio.BufferedProtocol):
                  extra={"event": f"{kind}_timeout", "peer": self.session.peer})
         assert self.transport is not None
         self.closing = True
-        if kind == "frame":
-            self.transport.abort()  # a stalled sender may not read either: do not wait to flush
+        if kind != "idle":
+            self.transport.abort()  # a stalled peer may not read: do not wait to flush
         else:
             self.transport.close()
 

@@ -168,7 +168,7 @@ class KVStoreCollector:
                                   value=snap.get("auth_failures", 0))
         timeouts = CounterMetricFamily("kvstore_connection_timeouts",
                                        "Connections closed by --idle-timeout or --frame-timeout", labels=["kind"])
-        for kind in ("idle", "frame"):
+        for kind in ("idle", "frame", "reply"):
             timeouts.add_metric([kind], snap.get("timeouts", {}).get(kind, 0))
         yield timeouts
 

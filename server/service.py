@@ -64,7 +64,7 @@ class Counters:
     connections_total: int = 0
     connections_rejected: int = 0  # over --max-connections
     auth_failures: int = 0
-    timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0})
+    timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0, "reply": 0})
     latency: LatencyHistograms = field(default_factory=LatencyHistograms)
 
     def count(self, op: str, failed: bool = False) -> None:

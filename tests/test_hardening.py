@@ -72,7 +72,7 @@ async def test_slowloris_and_idle_connections_are_dropped_while_others_work(make
             with contextlib.suppress(OSError):
                 await w.wait_closed()
         stats = await kv.stats()  # the good client is still connected: it was never idle for 2 s
-    assert stats["timeouts"] == {"idle": 1, "frame": 1}
+    assert stats["timeouts"] == {"idle": 1, "frame": 1, "reply": 0}
     assert stats["store"]["reserved_bytes"] == 0  # the slowloris' reservation went with it
     assert stats["namespaces"]["good"]["blocks"] >= 10
 
@@ -159,6 +159,35 @@ async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_se
     limited = await answered_while_not_reading(("--max-pending-out", "2MiB"))
     assert 60 <= default <= 75  # 64 MiB of replies queued (+ what the socket buffers took), then paused
     assert limited <= 8  # the server stops reading, and stops parsing what it already read
+
+
+async def test_a_client_that_stops_reading_its_reply_is_dropped_and_its_pins_released(make_server) -> None:
+    """The blocks of a reply stay pinned until it is sent. A client that asked for 24 MiB and
+    stopped reading held them for good (back-pressure bounds the bytes queued, not the time):
+    a reply that does not move for --frame-timeout now ends the connection, as a stalled
+    request does. One that keeps reading, however slowly, is not dropped."""
+    srv = make_server("--capacity", "64MiB", "--frame-timeout", "2", "--idle-timeout", "300")
+    keys = [key(i, "stall") for i in range(6)]
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put(keys, [bytes(4 << 20)] * 6)
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        stalled.connect(("127.0.0.1", srv.port))
+        with slow, stalled:
+            for sock in (slow, stalled):
+                sock.sendall(b"".join(bytes(b) for b in encode(Get(keys=keys), 1)))
+            deadline, got = time.monotonic() + 20, 0
+            while (await kv.stats())["timeouts"]["reply"] == 0 and time.monotonic() < deadline:
+                got += len(await asyncio.to_thread(slow.recv, 64 << 10))  # a slow reader: 64 KiB per 50 ms
+                await asyncio.sleep(0.05)
+            stats = await kv.stats()
+            assert stats["timeouts"]["reply"] == 1 and stats["connections"] == 2  # ours and the slow one
+            while got <= 24 << 20:  # the slow reader gets its whole reply (header, meta, 24 MiB)
+                n = len(await asyncio.to_thread(slow.recv, 1 << 20))
+                assert n, "the slow reader's connection was closed"
+                got += n
+        assert (await kv.stats())["store"]["pinned_blocks"] == 0
 
 
 def read_frame(sock: socket.socket) -> int:
