@@ -180,7 +180,7 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         f"kvstore {st.get('version', '?')} at {addr}, up {_duration(st.get('uptime_s', 0))}",
         f"memory      {format_size(store.get('used_bytes', 0))} used of {format_size(store.get('capacity', 0))} "
         f"({_pct(store.get('used_bytes', 0), store.get('capacity', 0))}), eviction {store.get('eviction', '?')}",
-        f"blocks      {store.get('blocks', 0)} in {len(st.get('namespaces', {}))} namespace(s), "
+        f"blocks      {store.get('blocks', 0)} in {st.get('namespaces_total', len(st.get('namespaces', {})))} namespace(s), "
         f"{format_size(store.get('bytes', 0))} of payload, {store.get('pinned_blocks', 0)} pinned",
         f"evictions   {store.get('evictions', 0)} ({format_size(store.get('evicted_bytes', 0))})",
         f"lookups     {store.get('lookups', 0)}: {hit} keys hit, {miss} missed "
@@ -206,13 +206,15 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
     return "\n".join(lines)
 
 
-def render_namespaces(namespaces: dict[str, dict[str, int]]) -> str:
+def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None = None) -> str:
     if not namespaces:
         return "no blocks stored"
     width = max(len("NAMESPACE"), *(len(ns) for ns in namespaces))
     rows = [f"{'NAMESPACE':<{width}}  {'BLOCKS':>10}  {'BYTES':>12}"]
     for ns, st in sorted(namespaces.items()):
         rows.append(f"{ns:<{width}}  {st['blocks']:>10}  {format_size(st['bytes']):>12}")
+    if total is not None and total > len(namespaces):
+        rows.append(f"... the largest {len(namespaces)} of {total} namespaces (all of them: /metrics)")
     return "\n".join(rows)
 
 
@@ -246,8 +248,10 @@ async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
 
 
 async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
-    ns = (await kv.stats()).get("namespaces", {})
-    print(json.dumps(ns, indent=2, sort_keys=True) if args.json else render_namespaces(ns), file=out)
+    st = await kv.stats()
+    ns = st.get("namespaces", {})
+    print(json.dumps(ns, indent=2, sort_keys=True) if args.json else render_namespaces(ns, st.get("namespaces_total")),
+          file=out)
     return 0
 
 
@@ -318,8 +322,13 @@ async def cmd_delete(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -
 async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
     ns = args.namespace
     if not args.yes:
-        blocks = (await kv.stats()).get("namespaces", {}).get(ns, {}).get("blocks", 0)
-        print(f"Delete all {blocks} block(s) of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
+        st = await kv.stats()
+        listed = st.get("namespaces", {})
+        if ns in listed or st.get("namespaces_total", 0) <= len(listed):
+            what = f"all {listed.get(ns, {}).get('blocks', 0)} block(s)"
+        else:  # not among the largest the server lists
+            what = "all blocks"
+        print(f"Delete {what} of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
         answer = sys.stdin.readline().strip().lower()
         if answer not in ("y", "yes"):
             print("not flushed", file=out)

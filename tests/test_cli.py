@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client import KVClient
+from kvstore.client import AsyncKVClient, KVClient
 
 CLI = Path(sys.executable).with_name("kvstore-cli")
 KEY = "00112233445566778899aabbccddeeff"
@@ -83,6 +84,29 @@ def test_stats_namespaces_ping_watch(server) -> None:
     r = cli("watch", "--interval", "0.2", "--count", "3", addr=server.addr)
     lines = r.stdout.decode().splitlines()
     assert r.returncode == 0 and len(lines) == 3 and all("blocks        2" in line for line in lines)
+
+
+def test_stats_lists_the_largest_namespaces_and_says_how_many(make_server) -> None:
+    """A STATS reply listing every namespace outgrew the client's 4 MiB meta limit (16,000 of
+    them, long names: `stats` failed); it lists the largest STATS_NAMESPACES and the count."""
+    from kvstore.server.service import STATS_NAMESPACES
+    srv = make_server("--capacity", "128MiB", "--page-size", "4KiB")
+    n = STATS_NAMESPACES + 100
+
+    async def fill() -> None:
+        async def one(i: int) -> None:
+            async with AsyncKVClient(srv.addr, namespace=f"ns{i:05d}", pool_size=1) as kv:
+                await kv.put([b"k" * 32], [b"x" * (8192 if i == n - 1 else 100)])
+        for start in range(0, n, 50):
+            await asyncio.gather(*(one(i) for i in range(start, min(n, start + 50))))
+
+    asyncio.run(fill())
+    st = json.loads(cli("stats", "--json", addr=srv.addr).stdout)
+    assert st["namespaces_total"] == n and len(st["namespaces"]) == STATS_NAMESPACES
+    assert st["namespaces"][f"ns{n - 1:05d}"] == {"blocks": 1, "bytes": 8192}  # the largest is listed
+    assert f"{n} in {n} namespace(s)" in cli("stats", addr=srv.addr).stdout.decode()
+    assert cli("namespaces", addr=srv.addr).stdout.decode().splitlines()[-1] == \
+        f"... the largest {STATS_NAMESPACES} of {n} namespaces (all of them: /metrics)"
 
 
 def test_flush_asks_first(server) -> None:
