@@ -9,6 +9,7 @@ pipelined connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import sys
 from collections import deque
@@ -30,7 +31,7 @@ from kvstore.protocol import (
 
 from . import replies
 from .connection import ClientConnection, Response, open_connection
-from .shm import GetOutcome, ShmChannel, open_channel
+from .shm import GetOutcome, ShmChannel, ShmGone, open_channel
 from .sharding import Ring
 from .workers import run_parallel
 
@@ -176,6 +177,9 @@ class _GetSink:
             self._hasher = None
 
 
+_CLOSED = "the client is closed"
+
+
 class _Node:
     """One server: a small pool of pipelined connections, opened lazily."""
 
@@ -193,7 +197,7 @@ class _Node:
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
-            raise TransportError("the client is closed")
+            raise TransportError(_CLOSED)
         for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
             if not conn.pending and not conn.closed:
                 return conn
@@ -203,12 +207,25 @@ class _Node:
             return idle[0]
         if len(self.conns) < self.client.pool_size:
             async with self._lock:
+                if self.client.closed:  # closed while this call waited for the lock
+                    raise TransportError(_CLOSED)
                 if len([c for c in self.conns if not c.closed]) < self.client.pool_size:
                     c = self.client
                     conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
                                                  limits=c.limits, timeout=c.connect_timeout,
                                                  server_hostname=c.server_hostname or self.host, unix=self.unix)
-                    self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
+                    try:
+                        shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
+                    except BaseException:
+                        conn.close()
+                        raise
+                    if c.closed:  # close() ran while we connected: it saw neither this connection nor the arena
+                        await conn.aclose()
+                        if shm is not None:
+                            shm.segment.close()
+                        self.shm, self.shm_tried = None, None
+                        raise TransportError(_CLOSED)
+                    self.shm = shm
                     self.conns.append(conn)
                     return conn
         live = [c for c in self.conns if not c.closed]
@@ -234,6 +251,8 @@ class _Node:
 
     async def close(self) -> None:
         conns, self.conns = self.conns, []
+        for conn in conns:  # what a request cut off by this reports (not "closed by server")
+            conn.close_reason = conn.close_reason or TransportError(_CLOSED)
         await asyncio.gather(*(conn.aclose() for conn in conns))
         if self.shm is not None:
             self.shm.segment.close()
@@ -273,20 +292,25 @@ class AsyncKVClient:
                  timeout: float = 30.0, connect_timeout: float | None = 5.0, retries: int = 2, backoff: float = 0.05,
                  verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
                  shm: bool | None = None, recycle_bytes: int = 256 << 20, split_bytes: int = 16 << 20) -> None:
-        addrs = [addr] if isinstance(addr, str) else list(addr)
+        addrs = [addr] if isinstance(addr, str) else _listed(addr, "addr")
         if not addrs:
             raise InvalidRequest("no server address given")
+        if not all(isinstance(a, str) for a in addrs):
+            raise InvalidRequest(f"a server address is a string, got {addrs!r}")
         if len(set(addrs)) != len(addrs):
             raise InvalidRequest(f"server addresses must be distinct, got {addrs}")
         self.namespace = namespace
         self.token = token
         self.tls = _ssl_context(tls)
         self.server_hostname = server_hostname
+        for name, value in (("pool_size", pool_size), ("retries", retries)):
+            if type(value) is not int or value < 0:
+                raise InvalidRequest(f"{name} must be an integer >= 0, got {value!r}")
         self.pool_size = max(1, pool_size)
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
+        self.timeout = _seconds("timeout", timeout)
+        self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.retries = retries
-        self.backoff = backoff
+        self.backoff = _seconds("backoff", backoff, zero=True)
         self.verify = verify
         self.limits = limits
         self.shm = shm
@@ -379,7 +403,7 @@ class AsyncKVClient:
         keys = _checked_keys(keys)
         if parent is not None:
             parent = _checked_keys([parent])[0]
-        views = iter_payload(blocks)
+        views = iter_payload(_listed(blocks, "blocks"))
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
         if not keys:
@@ -388,7 +412,8 @@ class AsyncKVClient:
         async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             if node.shm is not None:  # same host: copied into the arena, checksummed on the way
-                return await node.shm.put(_pick(keys, idx), _pick(views, idx), before)
+                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                    return await node.shm.put(_pick(keys, idx), _pick(views, idx), before)
             blocks = _pick(views, idx)
             msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks), parent=before)
             resp = await node.call(msg, blocks, sum(msg.sizes))
@@ -452,7 +477,7 @@ class AsyncKVClient:
         buffer's size differs from its block's (after the whole reply is read).
         """
         views = []
-        for i, b in enumerate(buffers):
+        for i, b in enumerate(_listed(buffers, "buffers")):
             try:
                 mv = memoryview(b)
             except TypeError:
@@ -472,7 +497,8 @@ class AsyncKVClient:
         async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
             if node.shm is not None:  # same host: copied out of the arena, verified on the way
-                return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
+                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                    return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
             resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin), idempotent=not unpin,
                                    make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
             assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)
@@ -574,8 +600,26 @@ def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:
     return [items[i] for i in idx]
 
 
+def _listed(items: Any, what: str) -> list[Any]:
+    """``items`` as a list: an argument that is no collection at all (e.g. None) is an InvalidRequest too."""
+    try:
+        return list(items)
+    except TypeError:
+        raise InvalidRequest(f"{what} must be a sequence, not {type(items).__name__}") from None
+
+
+def _seconds(name: str, value: Any, zero: bool = False) -> float | None:
+    """A setting in seconds: a number > 0 (>= 0 with ``zero``), or None (no limit)."""
+    if value is None and not zero:
+        return None
+    # (the comparison refuses NaN too)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+        raise InvalidRequest(f"{name} must be a number of seconds {'>= 0' if zero else '> 0 or None'}, got {value!r}")
+    return value
+
+
 def _checked_keys(keys: Sequence[bytes]) -> list[bytes]:
-    out = list(keys)
+    out = _listed(keys, "keys")
     try:
         check_keys(out)
     except InvalidRequest:  # bytes-like keys are accepted and sent as bytes; anything else fails again

@@ -285,6 +285,11 @@ class GetOutcome:
     errors: dict[int, KVStoreError] = field(default_factory=dict)
 
 
+class ShmGone(TransportError):
+    """The server no longer shares its arena (restarted with ``--no-shm``) and nothing of the call is
+    pending on it: the caller sends the call over the socket instead."""
+
+
 class ShmChannel:
     """A server's arena as this client uses it: the mapping plus its get and put."""
 
@@ -307,7 +312,8 @@ class ShmChannel:
         errors unless told not to (an op that must not run twice).
 
         A new connection may find a restarted server: the node then holds a
-        channel on the new arena (used from the next attempt on), or none.
+        channel on the new arena (used from the next attempt on), or none
+        (``ShmGone``: the caller goes over the socket).
         """
         c = self.client
         retries = c.retries if retry else 0
@@ -315,7 +321,7 @@ class ShmChannel:
             conn = await self.node.connection()
             channel = self.node.shm
             if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
-                raise TransportError(f"{self.node.addr} restarted without shared memory; retry on the socket")
+                raise ShmGone(f"{self.node.addr} restarted without shared memory")
             info = conn.hello.get("shm")
             if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
                 conn.abort(TransportError("connection to another server instance than the mapped arena"))
@@ -464,14 +470,14 @@ async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None
     """
     info = conn.hello.get("shm")
     want = node.client.shm
-    if want is False or not isinstance(info, dict) or not isinstance(info.get("instance"), str):
-        return node.shm
-    instance = info["instance"]
+    instance = info.get("instance") if isinstance(info, dict) else None
     if node.shm is not None:
         if node.shm.segment.instance == instance:
             return node.shm
-        node.shm.segment.close()  # the server restarted: its old arena is gone for us too
+        node.shm.segment.close()  # the server restarted (with shm or not): its old arena is gone for us too
         node.shm = None
+    if want is False or not isinstance(instance, str):
+        return None
     path = node.unix or (info.get("path") if want else None)
     if not isinstance(path, str) or node.shm_tried == instance:
         return None
@@ -524,5 +530,5 @@ async def measure_throughput(addr: str, *, block_size: int = 4 << 20, batch: int
     return {"put_gbps": total / best_put / 1e9, "get_gbps": total / best_get / 1e9, "shm": float(used_shm)}
 
 
-__all__ = ["CHUNK", "GetOutcome", "ShmChannel", "ShmSegment", "attach", "copy_runs", "measure_throughput",
+__all__ = ["CHUNK", "GetOutcome", "ShmChannel", "ShmGone", "ShmSegment", "attach", "copy_runs", "measure_throughput",
            "open_channel"]

@@ -8,7 +8,6 @@ one background event-loop thread shared by all blocking clients of the process
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import threading
 from concurrent.futures import Future
@@ -48,17 +47,60 @@ class _LoopThread:
         if os.getpid() != self.pid:  # forked: the loop thread (and the connections) stayed in the parent
             coro.close()
             raise TransportError("this KVClient was made in the parent of a fork; make a new one in this process")
-        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        call = _Call(coro)
         try:
-            return fut.result()
+            self.loop.call_soon_threadsafe(call.start)
+            return call.outcome.result()
         except BaseException:
-            # E.g. KeyboardInterrupt: cancel the request (its connection is dropped), and wait one turn of
-            # the loop for that to happen, so that no reply lands in the caller's buffers after we raise.
-            if not fut.cancel():
-                raise  # the call had ended (its own exception): nothing is in flight
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result(timeout=5)
+            # E.g. KeyboardInterrupt: cancel the request (its connection is dropped), and wait until the
+            # call has ended, so that no reply lands in the caller's buffers after we raise.
+            if not call.ended.is_set():  # (else the call had ended: its own exception, nothing in flight)
+                call.wait_out(self.loop)
             raise
+
+
+class _Call:
+    """One call's coroutine, run as a task on the loop thread.
+
+    Its state changes on the loop only, where callbacks run in the order they were posted: an
+    interrupt may come before ``start`` was posted, or after (the call may be running before the
+    calling thread reaches its next line), and ``abandon``, posted after it, tells which.
+    """
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.task: asyncio.Task[Any] | None = None
+        self.outcome: Future[Any] = Future()
+        self.ended = threading.Event()
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.coro)
+        self.task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Task[Any]) -> None:
+        self.ended.set()
+        if task.cancelled():
+            self.outcome.cancel()
+        elif task.exception() is not None:
+            self.outcome.set_exception(task.exception())
+        else:
+            self.outcome.set_result(task.result())
+
+    def abandon(self) -> None:
+        if self.task is None:  # start was never posted: nothing runs
+            self.coro.close()
+            self.ended.set()
+        elif not self.task.done():
+            self.task.cancel()
+
+    def wait_out(self, loop: asyncio.AbstractEventLoop, limit: float = 5.0) -> None:
+        """Cancel the call and wait (up to ``limit`` seconds) until it has ended, cancelling it again
+        while it runs on: a cancel can be swallowed (``asyncio.wait_for`` on Python 3.11 drops one that
+        arrives in the turn its awaitable completes)."""
+        for _ in range(int(limit / 0.05)):
+            loop.call_soon_threadsafe(self.abandon)
+            if self.ended.wait(0.05):
+                return
 
 
 class KVClient:

@@ -1,0 +1,109 @@
+"""A client through its servers' and its own lifecycle: a same-host server restarted without shared
+memory, close() while calls are still connecting, arguments refused with typed errors, and a blocking
+call interrupted (Ctrl-C) that must have ended when the interrupt is raised."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import InvalidRequest, TransportError
+
+from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
+
+
+async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_server: MakeServer, unix_path: str) -> None:
+    k = key(1, "no-shm-restart")
+    kv = AsyncKVClient(f"unix:{unix_path}", namespace="r")
+    try:
+        first = make_server("--capacity", "8MiB", "--unix", unix_path)
+        await kv.put([k], [b"first"])
+        old = kv.nodes[0].shm
+        assert old is not None
+        first.stop()
+        make_server("--capacity", "8MiB", "--unix", unix_path, "--no-shm")
+        await kv.put([k], [b"second"])  # "whenever the server does not offer it, the socket is used"
+        assert [bytes(b) for b in await kv.get([k])] == [b"second"]
+        assert kv.nodes[0].shm is None and old.segment.region.closed  # the dead arena is unmapped
+    finally:
+        await kv.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_close_while_calls_connect_leaves_no_connection_and_no_mapping(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """The server is stopped: one call waits for its reply, another for the HELLO of a new pool
+    connection, a third for that one's lock. close() must end all three, and nothing they opened
+    may outlive it once the server answers again."""
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    assert srv.proc is not None
+    keys = [key(i, "closing") for i in range(3)]
+    kv = AsyncKVClient(f"unix:{unix_path}" if transport == "shm" else srv.addr, namespace="c", pool_size=4)
+    await kv.connect()
+    await kv.put(keys, [b"x" * 1000] * 3)
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        calls = [asyncio.ensure_future(kv.exists(keys)) for _ in range(3)]
+        await asyncio.sleep(0.3)  # all three are waiting on the stopped server by now
+        await kv.close()
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, TransportError) and "client is closed" in str(o) for o in outcomes), outcomes
+    assert kv.nodes[0].conns == [] and kv.nodes[0].shm is None
+    async with AsyncKVClient(srv.addr, namespace="probe", pool_size=1) as probe:
+        for _ in range(100):  # (the server notices closed connections on its own time)
+            if (await probe.stats())["connections"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert (await probe.stats())["connections"] == 1  # the probe's own
+    with pytest.raises(TransportError, match="client is closed"):
+        await kv.exists(keys)
+
+
+def test_arguments_of_the_wrong_kind_raise_invalid_request(make_server: MakeServer) -> None:
+    srv = make_server("--capacity", "8MiB")
+    keys = [key(1, "bad")]
+    with KVClient(srv.addr, namespace="bad", pool_size=1) as kv:
+        for call in (lambda: kv.put(keys, None), lambda: kv.exists(None), lambda: kv.get_into(keys, None)):
+            with pytest.raises(InvalidRequest):
+                call()
+        assert kv.exists(keys) == [False]  # nothing left half-done
+    for addr, settings in ((None, {}), (srv.addr, {"pool_size": "2"}), (srv.addr, {"timeout": -1}),
+                           (srv.addr, {"timeout": 0}), (srv.addr, {"connect_timeout": float("nan")}),
+                           (srv.addr, {"retries": -1})):
+        with pytest.raises(InvalidRequest):
+            KVClient(addr, **settings)
+
+
+def test_an_interrupted_blocking_call_has_ended_when_it_raises() -> None:
+    """KVClient's promise: no reply lands in the caller's buffers after the interrupt is raised.
+    A call that swallows the first cancel (as asyncio.wait_for around HELLO does on Python 3.11
+    when the reply arrives in the same turn) must be cancelled again and waited for."""
+    from kvstore.client.sync import _LoopThread
+
+    buf = bytearray(4)
+
+    async def call() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # swallowed
+        await asyncio.sleep(0.2)  # e.g. a reply on its way
+        buf[:] = b"late"
+
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)  # a Ctrl-C, in effect
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _LoopThread.get().run(call())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    time.sleep(0.5)  # longer than the call would take to write
+    assert buf == bytearray(4)
