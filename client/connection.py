@@ -258,11 +258,9 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
         raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
     if not hello:
         return conn
-    try:
-        resp = await asyncio.wait_for(conn.request(Hello(namespace=namespace, token=token, client="kvstore-py")),
-                                      timeout)
-    except asyncio.TimeoutError:
-        conn.abort(TransportError("HELLO timed out"))
+    try:  # (the request's own timer: wait_for on Python 3.11 drops a cancel that comes as the reply does)
+        resp = await conn.request(Hello(namespace=namespace, token=token, client="kvstore-py"), timeout=timeout)
+    except RequestTimeout:  # (request() has discarded the connection)
         raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
     except BaseException:
         conn.close()

@@ -174,3 +174,12 @@ def test_an_attach_answered_a_byte_at_a_time_gives_up_at_the_timeout(tmp_path: P
         thread.join(5)
         listener.close()
         os.unlink(path)
+
+
+async def test_a_peer_that_never_answers_hello_is_a_transport_error_after_connect_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts (in the kernel) and says nothing
+        async with AsyncKVClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=0.3, retries=0) as kv:
+            with pytest.raises(TransportError, match="did not answer HELLO within 0.3s"):
+                await kv.ping()
