@@ -180,6 +180,9 @@ async def test_a_peer_that_never_answers_hello_is_a_transport_error_after_connec
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()  # accepts (in the kernel) and says nothing
-        async with AsyncKVClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=0.3, retries=0) as kv:
+        kv = AsyncKVClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=0.3, retries=0)
+        try:
             with pytest.raises(TransportError, match="did not answer HELLO within 0.3s"):
                 await kv.ping()
+        finally:
+            await kv.close()
