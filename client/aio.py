@@ -268,7 +268,8 @@ class AsyncKVClient:
         token: shared secret, when the server requires one.
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
         pool_size: connections per server.
-        timeout: seconds a request may take before ``RequestTimeout``.
+        timeout: seconds a request may take before ``RequestTimeout`` (None: no limit; bad
+            values of this and the other settings raise ``InvalidRequest``).
         connect_timeout: seconds to connect, say HELLO and map a same-host server's arena
             (None: no limit); with ``retries``, a server that never answers costs up to
             ``connect_timeout * (1 + retries)`` before ``TransportError``.
