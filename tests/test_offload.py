@@ -32,6 +32,16 @@ def hits(n: int, seen: list[list[bytes]] | None = None) -> LookupFn:
     return lookup
 
 
+def storing_six_blocks() -> tuple[OffloadScheduler, StoreJob]:
+    """Request "r" (24 tokens, nothing found) on GPU blocks 100-105, the store of all six in flight."""
+    s = make()
+    s.add_request("r", range(24))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (store,) = s.build_step({"r": 24})
+    return s, store
+
+
 def test_stores_full_offloaded_blocks_only_once() -> None:
     s = make()
     s.add_request("r", range(30))
@@ -160,11 +170,7 @@ def test_preempt_stops_stores_from_the_blocks_it_gives_back() -> None:
 
 
 def test_a_preempted_request_that_ends_frees_nothing_twice() -> None:
-    s = make()
-    s.add_request("r", range(24))
-    s.num_external_tokens("r", 0, hits(0))
-    s.on_alloc("r", gpu_blocks(6), 0)
-    (store,) = s.build_step({"r": 24})
+    s, store = storing_six_blocks()
     assert s.preempt("r") == ()  # the store reads all six
     s.append_tokens("r", [7])
     fin = s.finish_request("r")  # aborted before it was resumed
@@ -221,11 +227,7 @@ def test_a_refused_on_alloc_changes_nothing() -> None:
 
 
 def test_on_alloc_again_without_preempt_waits_for_stores_from_the_blocks_it_replaces() -> None:
-    s = make()
-    s.add_request("r", range(24))
-    s.num_external_tokens("r", 0, hits(0))
-    s.on_alloc("r", gpu_blocks(6), 0)
-    (store,) = s.build_step({"r": 24})
+    s, store = storing_six_blocks()
     with pytest.raises(ValueError, match="in flight"):
         s.on_alloc("r", gpu_blocks(6, base=200), 0)
     assert s.on_store_done(store.job_id) == ()
