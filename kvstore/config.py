@@ -57,6 +57,7 @@ class ServerConfig:
     eviction: str = "lru"
     page_size: int = 64 << 10
     lease_seconds: float = 30.0
+    max_lease_seconds: float = 600.0  # a LOOKUP's own lease_ms is cut to this (leased blocks cannot be evicted)
     drain_seconds: float = 10.0
     log_level: str = "info"
     max_pending_out: int = 64 << 20  # stop reading a connection whose unsent replies exceed this

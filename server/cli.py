@@ -87,6 +87,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _lease(text: str) -> float:
+    value = _seconds(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
+    return value
+
+
 def _timeout(text: str) -> float:
     value = _seconds(text)
     if value == 0:  # a socket timeout of 0 is a non-blocking socket: every Redis call would fail
@@ -113,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--capacity", _size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
     add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
     add("--page-size", _size, d.page_size, "allocation unit of the block arena")
-    add("--lease-seconds", float, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
+    add("--lease-seconds", _lease, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
+    add("--max-lease-seconds", _lease, d.max_lease_seconds,
+        "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted)")
     add("--busy-poll-us", _poll_window, d.busy_poll_us,
         "after each request, poll without sleeping for this many microseconds (lower latency, more CPU; 0 = off)")
     add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")

@@ -170,13 +170,17 @@ class PutSink:
         try:
             assert self.tier is not None
             await self.tier.store(self.ns, blocks)
-        except Unavailable as exc:
+        except Exception as exc:
+            failure = exc if isinstance(exc, Unavailable) else None
+            if failure is None:  # a bug in the tier: these blocks must not stay acknowledged-less either
+                log.exception("the backing tier failed to store %d block(s)", len(blocks))
+                failure = Unavailable(f"the backing tier failed to store the blocks ({type(exc).__name__}: {exc})")
             # Not acknowledged, so not kept: a retry must store it again rather than find it "existed".
             self.store.delete(self.ns, [self.msg.keys[i] for i in idx])
             for i in idx:
-                self.status[i] = exc.code
-                self.errors[i] = str(exc)
-            return exc
+                self.status[i] = failure.code
+                self.errors[i] = str(failure)
+            return failure
         finally:
             for _, ref in refs:
                 if ref is not None:
@@ -226,6 +230,9 @@ class Service:
     """The request logic over a :class:`BlockStore`."""
 
     def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
+        if not 0 < config.lease_seconds <= config.max_lease_seconds:
+            raise ValueError(f"--lease-seconds {config.lease_seconds:g} is over --max-lease-seconds "
+                             f"{config.max_lease_seconds:g}")
         self.store = store
         self.config = config
         self.tier = tier
@@ -287,24 +294,28 @@ class Service:
         return PutSink(self.store, session.namespace, msg, self.tier, self.tier_writes)
 
     def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
-        lease_s = msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds
+        """A pinned lookup's lease is cut to --max-lease-seconds: leased blocks cannot be evicted,
+        and a client asking for days (lease_ms goes up to 2**31) could fill the store with them."""
+        lease_s = min(msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds,
+                      self.config.max_lease_seconds)
         n = self.store.lookup(session.namespace, msg.keys, pin=bool(msg.pin), lease_s=lease_s)
+        granted = {"lease_ms": int(lease_s * 1000)} if msg.pin else {}
         if self.tier is None or n == len(msg.keys):
-            return {"n": n}
-        return self._lookup_tier(session.namespace, msg.keys, n)
+            return {"n": n, **granted}
+        return self._lookup_tier(session.namespace, msg.keys, n, granted)
 
-    async def _lookup_tier(self, ns: str, keys: list[bytes], n: int) -> Fields:
+    async def _lookup_tier(self, ns: str, keys: list[bytes], n: int, granted: Fields) -> Fields:
         """Extend the in-memory prefix with what the tier holds (its blocks come in on GET)."""
         assert self.tier is not None
         try:
             present = await self.tier.exists(ns, keys[n:])
         except Unavailable:
-            return {"n": n}  # degraded: memory's answer is still a correct lower bound
+            return {"n": n, **granted}  # degraded: memory's answer is still a correct lower bound
         for p in present:
             if not p:
                 break
             n += 1
-        return {"n": n}
+        return {"n": n, **granted}
 
     def get(self, session: Session, msg: Get) -> GetResult | Awaitable[GetResult]:
         """Pins every block it returns; the caller releases them once written.

@@ -399,3 +399,33 @@ async def test_get_reply_over_the_frame_limit_is_refused(redis_server: RedisProc
             assert (await kv.stats())["store"]["pinned_blocks"] == 0
             assert payloads(await kv.get(keys[:2])) == data[:2]  # same connection, still in step
             assert payloads(await kv.get(keys[2:])) == data[2:]
+
+
+def test_a_tier_write_that_fails_with_a_bug_keeps_nothing_unacknowledged(redis_server: RedisProcess) -> None:
+    """Blocks whose tier write raised something other than Unavailable (a bug in the tier) stayed in
+    memory unacknowledged: a retry of the put then found them "existed" and they never reached Redis."""
+    from kvstore.client import KVClient
+    from kvstore.config import ServerConfig
+
+    from test_integrity import ThreadedServer
+
+    config = ServerConfig(port=0, capacity=8 << 20, prefault=False, redis=redis_server.url)
+    keys = chain(3, "tier-bug")
+    data = blocks(keys, 10_000)
+    with ThreadedServer(config) as srv:
+        tier = srv.server.tier
+        real_write = tier._write
+
+        async def broken_once(items):  # an injected fault of the real tier: its first write raises
+            tier._write = real_write
+            raise RuntimeError("injected")
+
+        srv.call(lambda: setattr(tier, "_write", broken_once))
+        with KVClient(f"127.0.0.1:{srv.server.port}", namespace="bug", retries=0) as kv:
+            with pytest.raises(Unavailable, match="RuntimeError: injected") as info:
+                kv.put(keys, data)
+            assert info.value.result.statuses == ["failed"] * 3  # type: ignore[attr-defined]
+            assert kv.exists(keys) == [False] * 3  # nothing kept that was not acknowledged
+            assert kv.put(keys, data).stored == 3  # the retry stores them (it used to answer "existed")
+        for k, d in zip(keys, data):
+            assert redis_server.cli_bytes("GET", block_key("bug", k))[16:-1] == d  # (header; newline)

@@ -341,3 +341,43 @@ async def test_leases_of_readers_gone_end_on_time_while_others_read_the_block(ma
         while time.monotonic() < until:
             assert await kv.get_into(keys, bufs) == [True, True]
         assert (await kv.stats())["store"]["leases"] == 0
+
+
+async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server) -> None:
+    """lease_ms may ask for up to 2**31 ms (24 days) of blocks eviction cannot take; the server
+    grants at most --max-lease-seconds, says what it granted, and the lease ends then."""
+    from kvstore.client.connection import open_connection
+    from kvstore.protocol import DEFAULT_LIMITS, Lookup
+
+    srv = make_server("--capacity", "8MiB", "--lease-seconds", "0.2", "--max-lease-seconds", "0.5")
+    keys = [key(i, "maxlease") for i in range(2)]
+    async with AsyncKVClient(srv.addr, namespace="m") as kv:
+        await kv.put(keys, [block(i, 4096) for i in range(2)])
+        conn = await open_connection("127.0.0.1", srv.port, namespace="m", token=None, tls=None,
+                                     limits=DEFAULT_LIMITS, timeout=5)
+        try:
+            reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=2**31), timeout=5)
+            assert reply.fields == {"n": 2, "lease_ms": 500}
+            reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=100), timeout=5)
+            assert reply.fields == {"n": 2, "lease_ms": 100}
+            reply = await conn.request(Lookup(keys=keys, pin=False, lease_ms=2**31), timeout=5)
+            assert reply.fields == {"n": 2}  # nothing leased, nothing granted
+        finally:
+            await conn.aclose()
+        assert (await kv.stats())["store"]["leases"] == 4
+        until = time.monotonic() + 10
+        while (await kv.stats())["store"]["leases"] and time.monotonic() < until:
+            await asyncio.sleep(0.1)
+        assert (await kv.stats())["store"]["leases"] == 0
+
+
+def test_lease_seconds_over_the_maximum_is_refused_at_start() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "8MiB",
+                           "--lease-seconds", "60", "--max-lease-seconds", "30"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "--lease-seconds 60 is over --max-lease-seconds 30" in proc.stderr
+    for bad in ("0", "-1", "nan", "inf"):
+        proc = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--max-lease-seconds", bad],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and "--max-lease-seconds" in proc.stderr, (bad, proc.stderr)
