@@ -180,6 +180,11 @@ class _GetSink:
 _CLOSED = "the client is closed"
 
 
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _Node:
     """One server: a small pool of pipelined connections, opened lazily."""
 
@@ -193,45 +198,62 @@ class _Node:
         self.shm: ShmChannel | None = None  # the server's arena, mapped (client/shm.py)
         self.shm_tried: str | None = None  # the server instance an attach was last tried with
         self.conns: list[ClientConnection] = []
-        self._lock = asyncio.Lock()
+        # Connections being opened, each by a task of its own: they count toward pool_size, and a caller
+        # that finds every slot taken by one waits for it instead of queueing for a connect of its own
+        # (queued connects would add up: a server that never answers would cost each caller every
+        # wait before its own).
+        self.opening: set[asyncio.Task[ClientConnection]] = set()
+        self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
 
     async def connection(self) -> ClientConnection:
-        if self.client.closed:  # (a request in flight while the client closed must not reconnect)
-            raise TransportError(_CLOSED)
-        for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
-            if not conn.pending and not conn.closed:
-                return conn
-        self.conns = [c for c in self.conns if not c.closed]
-        idle = [c for c in self.conns if c.in_flight == 0]
-        if idle:
-            return idle[0]
-        if len(self.conns) < self.client.pool_size:
-            async with self._lock:
-                if self.client.closed:  # closed while this call waited for the lock
-                    raise TransportError(_CLOSED)
-                if len([c for c in self.conns if not c.closed]) < self.client.pool_size:
-                    c = self.client
-                    conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
-                                                 limits=c.limits, timeout=c.connect_timeout,
-                                                 server_hostname=c.server_hostname or self.host, unix=self.unix)
-                    try:
-                        shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
-                    except BaseException:
-                        conn.close()
-                        raise
-                    if c.closed:  # close() ran while we connected: it saw neither this connection nor the arena
-                        await conn.aclose()
-                        if shm is not None:
-                            shm.segment.close()
-                        self.shm, self.shm_tried = None, None
-                        raise TransportError(_CLOSED)
-                    self.shm = shm
-                    self.conns.append(conn)
+        while True:
+            if self.client.closed:  # (a request in flight while the client closed must not reconnect)
+                raise TransportError(_CLOSED)
+            for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
+                if not conn.pending and not conn.closed:
                     return conn
-        live = [c for c in self.conns if not c.closed]
-        if not live:
-            return await self.connection()
-        return min(live, key=lambda c: c.in_flight)
+            self.conns = [c for c in self.conns if not c.closed]
+            idle = [c for c in self.conns if c.in_flight == 0]
+            if idle:
+                return idle[0]
+            if len(self.conns) + len(self.opening) < self.client.pool_size:
+                task = asyncio.ensure_future(self._open())
+                task.add_done_callback(_retrieve)  # (its callers may all have gone: no "never retrieved" log)
+                self.opening.add(task)
+                waiting = {task}
+            elif self.conns:
+                return min(self.conns, key=lambda c: c.in_flight)
+            else:
+                waiting = set(self.opening)
+            # (wait() does not cancel the opening when this caller is cancelled: other callers may share it)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            opened = done.pop()
+            if opened.cancelled():  # by close()
+                raise TransportError(_CLOSED)
+            conn = opened.result()  # (or its error, shared by every caller that waited for it)
+            if not conn.closed:
+                return conn
+
+    async def _open(self) -> ClientConnection:
+        """Open one pool connection, in a task of its own; close() cancels it (its socket is then closed)."""
+        c = self.client
+        try:
+            conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
+                                         limits=c.limits, timeout=c.connect_timeout,
+                                         server_hostname=c.server_hostname or self.host, unix=self.unix)
+            try:
+                async with self._attaching:
+                    self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
+            except BaseException:
+                await conn.discard(TransportError("shared-memory attach failed; connection discarded"))
+                raise
+            if c.closed:  # close()'s cancel came as the open ended (and was lost): join nothing
+                await conn.discard(TransportError(_CLOSED))
+                raise TransportError(_CLOSED)
+            self.conns.append(conn)
+            return conn
+        finally:
+            self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True) -> Response:
@@ -250,10 +272,16 @@ class _Node:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
+        opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
         for conn in conns:  # what a request cut off by this reports (not "closed by server")
             conn.close_reason = conn.close_reason or TransportError(_CLOSED)
-        await asyncio.gather(*(conn.aclose() for conn in conns))
+        closing = asyncio.gather(*(conn.aclose() for conn in conns))
+        while opening:  # cut off connects and HELLOs in progress (again while one runs on: wait_for on
+            for task in opening:  # Python 3.11 can drop a cancel); each closes its socket as it ends
+                task.cancel()
+            _, opening = await asyncio.wait(opening, timeout=0.1)
+        await closing
         if self.shm is not None:
             self.shm.segment.close()
             self.shm, self.shm_tried = None, None
@@ -271,8 +299,9 @@ class AsyncKVClient:
         timeout: seconds a request may take before ``RequestTimeout`` (None: no limit; bad
             values of this and the other settings raise ``InvalidRequest``).
         connect_timeout: seconds to connect, say HELLO and map a same-host server's arena
-            (None: no limit); with ``retries``, a server that never answers costs up to
-            ``connect_timeout * (1 + retries)`` before ``TransportError``.
+            (None: no limit); with ``retries``, a server that never answers costs a call up to
+            ``connect_timeout * (1 + retries)`` (and the backoff) before ``TransportError``,
+            however many calls share the client: they wait for the same connects.
         retries: retries of a request after a transport error (never of a pinning lookup,
             an unpinning get or an unpin: the server may have run them already).
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).
@@ -398,8 +427,12 @@ class AsyncKVClient:
         prefix, as it would a chain's tail, instead of treating it as a chain of its own.
 
         Raises:
-            CapacityError (or another ServerError) when some block could not be stored;
-            the exception's ``result`` attribute holds the per-key outcome.
+            CapacityError (or another ServerError) when some block could not be stored, or
+            TransportError / RequestTimeout when a server could not be reached or did not
+            answer: the exception's ``result`` attribute holds the per-key outcome (a
+            PutResult), so with several servers the keys the live ones stored are known.
+            "failed" means not known to be stored: a server that took a batch and then
+            went silent may have stored it.
         """
         keys = _checked_keys(keys)
         if parent is not None:
@@ -410,20 +443,30 @@ class AsyncKVClient:
         if not keys:
             return PutResult(0, 0, 0, [])
 
-        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]]:
+        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]] | list[TransportError]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
-            if node.shm is not None:  # same host: copied into the arena, checksummed on the way
-                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
-                    return await node.shm.put(_pick(keys, idx), _pick(views, idx), before)
             blocks = _pick(views, idx)
-            msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks), parent=before)
-            resp = await node.call(msg, blocks, sum(msg.sizes))
+            try:
+                # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
+                if node.shm is not None and sum(map(len, blocks)) >= node.shm.inline_put_bytes:
+                    with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                        return await node.shm.put(_pick(keys, idx), blocks, before)
+                msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks),
+                          parent=before)
+                resp = await node.call(msg, blocks, sum(msg.sizes))
+            except TransportError as exc:  # this server's share failed; what the others stored still counts
+                return [exc] * len(idx)  # (a list: an exception returned would be raised by _per_node)
             return replies.statuses(resp.fields, len(idx), "PUT")
 
         statuses: list[str] = [""] * len(keys)
         errors: dict[int, KVStoreError] = {}
         for idx, outcome in await self._per_node(keys, one):
-            for i, (code, message) in zip(idx, outcome):
+            for i, item in zip(idx, outcome):
+                if isinstance(item, TransportError):
+                    statuses[i] = "failed"
+                    errors[i] = item
+                    continue
+                code, message = item
                 if code == STORED:
                     statuses[i] = "stored"
                 elif code == EXISTED:

@@ -216,6 +216,13 @@ class ClientConnection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    async def discard(self, reason: KVStoreError) -> None:
+        """Abort, and return once the socket is closed: for a connection that failed before it was
+        used (nothing on it is worth a TLS close_notify round trip with a peer that may not answer)."""
+        self.abort(reason)
+        if self.transport is not None:
+            await self.gone.wait()
+
     async def aclose(self, grace: float = 1.0) -> None:
         """Close, and return once the transport is gone: a TLS connection first exchanges
         close_notify with the server (a round trip), and a loop that ends before that leaves
@@ -260,10 +267,10 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
         return conn
     try:  # (the request's own timer: wait_for on Python 3.11 drops a cancel that comes as the reply does)
         resp = await conn.request(Hello(namespace=namespace, token=token, client="kvstore-py"), timeout=timeout)
-    except RequestTimeout:  # (request() has discarded the connection)
-        raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
-    except BaseException:
-        conn.close()
+    except BaseException as exc:  # (also a cancel: close() of the client cuts off a HELLO that gets no answer)
+        await conn.discard(TransportError("HELLO failed; connection discarded"))  # (no socket outlives the call)
+        if isinstance(exc, RequestTimeout):
+            raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
         raise
     conn.hello = resp.fields
     return conn

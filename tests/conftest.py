@@ -10,6 +10,15 @@ import pytest
 from kvstore.server.process import ServerProcess
 
 
+@pytest.fixture(autouse=True)
+def shm_puts_of_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests put small blocks through the shared arena too (by default a put under 2 MiB goes over
+    the socket, which is faster there); test_shm checks that default on its own."""
+    from kvstore.client.shm import ShmChannel
+
+    monkeypatch.setattr(ShmChannel, "inline_put_bytes", 0)
+
+
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
     """A real kvstore-server (64 MiB, LRU) on 127.0.0.1, any free port."""

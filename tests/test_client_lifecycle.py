@@ -14,7 +14,7 @@ import pytest
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import InvalidRequest, TransportError
 
-from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
+from shm_helpers import MakeServer, data, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
 
 async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_server: MakeServer, unix_path: str) -> None:
@@ -34,12 +34,46 @@ async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_serve
         await kv.close()
 
 
+@pytest.mark.parametrize("op", ["put", "get_into"])
+async def test_a_shm_call_made_while_its_server_restarts_is_retried(make_server: MakeServer, unix_path: str,
+                                                                     op: str) -> None:
+    """A same-host call whose first connect finds no server (it is restarting at the same path) is
+    retried after the backoff, as a call over the socket is; it used to fail at once."""
+    k = key(1, "shm-restart")
+    block = data(k, 64 << 10)
+    kv = AsyncKVClient(f"unix:{unix_path}", namespace="r", retries=1, backoff=1.0)
+    try:
+        first = make_server("--capacity", "8MiB", "--unix", unix_path)
+        await kv.put([k], [block])
+        old = kv.nodes[0].shm
+        assert old is not None
+        first.stop()
+        for _ in range(100):  # (the client notices the closed connection on its loop's time)
+            if all(c.closed for c in kv.nodes[0].conns):
+                break
+            await asyncio.sleep(0.05)
+        buf = bytearray(len(block))
+        call = asyncio.ensure_future(kv.put([k], [block]) if op == "put" else kv.get_into([k], [buf]))
+        await asyncio.sleep(0.2)  # its first connect has failed: nothing listens at the path
+        make_server("--capacity", "8MiB", "--unix", unix_path)  # (blocks this loop: the retry finds it up)
+        outcome = await call
+        node = kv.nodes[0]
+        assert node.shm is not None and node.shm is not old  # the new server's arena, mapped
+        if op == "put":
+            assert outcome.stored == 1
+            assert await kv.get_into([k], [buf]) == [True] and buf == block
+        else:
+            assert outcome == [False]  # (the new server starts empty)
+    finally:
+        await kv.close()
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_close_while_calls_connect_leaves_no_connection_and_no_mapping(
         make_server: MakeServer, unix_path: str, transport: str) -> None:
-    """The server is stopped: one call waits for its reply, another for the HELLO of a new pool
-    connection, a third for that one's lock. close() must end all three, and nothing they opened
-    may outlive it once the server answers again."""
+    """The server is stopped: one call waits for its reply, the others for the HELLO of new pool
+    connections. close() must end all three, and nothing they opened may outlive it once the
+    server answers again."""
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     assert srv.proc is not None
     keys = [key(i, "closing") for i in range(3)]

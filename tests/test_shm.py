@@ -58,6 +58,34 @@ async def test_shm_round_trip_every_byte_and_no_payload_on_the_socket(make_serve
     assert stats["store"]["pinned_blocks"] == 0  # every read pin released
 
 
+async def test_a_small_put_goes_over_the_socket_a_large_one_through_the_arena(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a put under ShmChannel.inline_put_bytes (2 MiB) is sent inline: one round trip
+    beats the arena's two there. Bytes intact either way, and gets still take the arena."""
+    from kvstore.client.shm import ShmChannel
+
+    monkeypatch.undo()  # (conftest sends every put through the arena)
+    assert ShmChannel.inline_put_bytes == 2 << 20
+    make_server("--capacity", "64MiB", "--unix", unix_path)
+    small = [key(i, "small") for i in range(3)]
+    large = [key(i, "large") for i in range(2)]
+    blocks = {k: data(k, 300_000) for k in small} | {k: data(k, 1 << 20) for k in large}
+    async with AsyncKVClient(unix(unix_path), namespace="route", pool_size=1) as kv:
+        assert kv.nodes[0].shm is not None
+        before = await kv.stats()
+        assert (await kv.put(small, [blocks[k] for k in small])).stored == 3  # 900 KB: inline
+        middle = await kv.stats()
+        assert (await kv.put(large, [blocks[k] for k in large])).stored == 2  # 2 MiB: the arena
+        after = await kv.stats()
+        bufs = [bytearray(len(blocks[k])) for k in small + large]
+        assert await kv.get_into(small + large, bufs) == [True] * 5
+        assert bufs == [blocks[k] for k in small + large]
+        done = await kv.stats()
+    assert middle["shm"]["puts"] == before["shm"]["puts"] and middle["bytes_in"] - before["bytes_in"] >= 900_000
+    assert after["shm"]["puts"] == middle["shm"]["puts"] + 1 and after["bytes_in"] - middle["bytes_in"] < 100_000
+    assert done["shm"]["gets"] == after["shm"]["gets"] + 1
+
+
 async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path, "--page-size", "4KiB")
     sizes = [0, 1, 4095, 4096, 4097, 300_001]  # empty, sub-page, page edges, many pages

@@ -1,0 +1,149 @@
+"""A client's connection pool under concurrent callers, a put spread over servers one of which is
+down, and close() while a connection still waits for its HELLO answer. Real servers (or a silent
+listening socket) on loopback; a server "stops answering" by SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from kvstore.client import AsyncKVClient, KVClient, PutResult
+from kvstore.errors import RequestTimeout, TransportError
+
+from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
+
+
+def test_callers_sharing_a_client_do_not_wait_out_each_others_connects(make_server: MakeServer) -> None:
+    """Eight threads call one client of a server that accepts connections but never answers. Each
+    call may cost connect_timeout * (1 + retries), its own attempts: the opens used to queue behind
+    one lock, so the later callers waited out every earlier caller's connect first (the 6th: 15 s)."""
+    srv = make_server("--capacity", "8MiB")
+    assert srv.proc is not None
+    connect_timeout, retries, callers = 1.0, 2, 8
+    keys = [key(i, "stopped") for i in range(4)]
+    kv = KVClient(srv.addr, namespace="p", timeout=1.0, connect_timeout=connect_timeout, retries=retries)
+
+    def call() -> tuple[BaseException | None, float]:
+        t0 = time.monotonic()
+        try:
+            kv.exists(keys)
+        except BaseException as exc:  # noqa: BLE001  (judged below)
+            return exc, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(callers) as pool:
+            outcomes = list(pool.map(lambda _: call(), range(callers)))
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        kv.close()
+    assert all(isinstance(exc, TransportError) for exc, _ in outcomes), outcomes
+    budget = connect_timeout * (1 + retries)  # (3 s; queued behind each other the last took ~8x that)
+    assert max(took for _, took in outcomes) < 2 * budget + 1, outcomes
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_concurrent_first_calls_open_at_most_pool_size_connections(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    keys = [key(i, "pool") for i in range(4)]
+    kv = AsyncKVClient(f"unix:{unix_path}" if transport == "shm" else srv.addr, namespace="p", pool_size=3)
+    try:
+        results = await asyncio.gather(*(kv.exists(keys) for _ in range(12)))
+        assert results == [[False] * 4] * 12
+        conns = kv.nodes[0].conns
+        assert 1 <= len(conns) <= 3
+        stats = await kv.stats()  # (over one of the pooled connections: no other client)
+        assert stats["connections"] == len(conns)
+        if transport == "shm":  # one arena attach (on a side connection of its own), not one per opener
+            assert kv.nodes[0].shm is not None and stats["shm"]["attached"] == 1
+            assert stats["connections_total"] == len(conns) + 1
+        else:
+            assert stats["connections_total"] == len(conns)
+    finally:
+        await kv.close()
+
+
+@pytest.mark.parametrize("down", ["terminated", "stopped"])
+async def test_a_put_over_servers_one_of_them_down_tells_which_blocks_were_stored(
+        make_server: MakeServer, down: str) -> None:
+    """The live server's share is stored; the exception says so in .result (it used to carry none,
+    and an engine could not tell which blocks it still had to store elsewhere)."""
+    live, dead = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB")
+    assert dead.proc is not None
+    kv = AsyncKVClient([live.addr, dead.addr], namespace="p", timeout=1.0, connect_timeout=1.0, backoff=0.01)
+    keys = [key(i, "sharded") for i in range(16)]
+    on_dead = {i for i, k in enumerate(keys) if kv.nodes[kv.ring.node_of(k)].addr == dead.addr}
+    assert 0 < len(on_dead) < len(keys)  # (fixed keys: both servers get some)
+    try:
+        await kv.connect()
+        if down == "terminated":
+            dead.stop()
+        else:  # a connection is open: the put is sent and never answered
+            os.kill(dead.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransportError) as info:
+                await kv.put(keys, [b"block %d" % i for i in range(len(keys))])
+        finally:
+            if down == "stopped":
+                os.kill(dead.proc.pid, signal.SIGCONT)
+        assert isinstance(info.value, RequestTimeout) == (down == "stopped")
+        result: Any = info.value.result  # type: ignore[attr-defined]
+        assert isinstance(result, PutResult)
+        assert result.statuses == ["failed" if i in on_dead else "stored" for i in range(len(keys))]
+        assert (result.stored, result.existed, result.failed) == (len(keys) - len(on_dead), 0, len(on_dead))
+        assert set(result.errors) == on_dead
+        assert all(isinstance(e, TransportError) for e in result.errors.values())
+    finally:
+        await kv.close()
+    async with AsyncKVClient(live.addr, namespace="p") as check:  # what .result says is stored, is
+        assert await check.exists(keys) == [i not in on_dead for i in range(len(keys))]
+
+
+def _assert_peer_sees_close(listener: socket.socket) -> None:
+    """The client's connection, as the listener accepted it, reaches end of stream (HELLO bytes first)."""
+    listener.settimeout(5)
+    peer, _ = listener.accept()
+    with peer:
+        peer.settimeout(2)
+        while peer.recv(65536):
+            pass
+
+
+async def test_close_cuts_off_a_connection_waiting_for_its_hello() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts (in the kernel) and never answers
+        kv = AsyncKVClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=30)
+        call = asyncio.ensure_future(kv.ping())
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await asyncio.wait_for(kv.close(), 5)
+        with pytest.raises(TransportError, match="client is closed"):
+            await asyncio.wait_for(call, 5)
+        assert time.monotonic() - t0 < 3  # not the 30 s connect timeout
+        assert not kv.nodes[0].opening and kv.nodes[0].conns == []
+        _assert_peer_sees_close(silent)  # no socket left open once close() returned
+
+
+def test_close_of_a_blocking_client_cuts_off_a_connection_waiting_for_its_hello() -> None:
+    with socket.socket() as silent, ThreadPoolExecutor(1) as pool:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        kv = KVClient(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=30)
+        call = pool.submit(kv.ping)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        kv.close()
+        with pytest.raises(TransportError, match="client is closed"):
+            call.result(5)
+        assert time.monotonic() - t0 < 3
+        _assert_peer_sees_close(silent)
