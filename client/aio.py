@@ -206,33 +206,44 @@ class _Node:
         self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
 
     async def connection(self) -> ClientConnection:
-        while True:
-            if self.client.closed:  # (a request in flight while the client closed must not reconnect)
-                raise TransportError(_CLOSED)
-            for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
-                if not conn.pending and not conn.closed:
-                    return conn
-            self.conns = [c for c in self.conns if not c.closed]
-            idle = [c for c in self.conns if c.in_flight == 0]
-            if idle:
-                return idle[0]
-            if len(self.conns) + len(self.opening) < self.client.pool_size:
-                task = asyncio.ensure_future(self._open())
-                task.add_done_callback(_retrieve)  # (its callers may all have gone: no "never retrieved" log)
-                self.opening.add(task)
-                waiting = {task}
-            elif self.conns:
-                return min(self.conns, key=lambda c: c.in_flight)
-            else:
-                waiting = set(self.opening)
-            # (wait() does not cancel the opening when this caller is cancelled: other callers may share it)
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            opened = done.pop()
-            if opened.cancelled():  # by close()
-                raise TransportError(_CLOSED)
-            conn = opened.result()  # (or its error, shared by every caller that waited for it)
-            if not conn.closed:
+        if self.client.closed:  # (a request in flight while the client closed must not reconnect)
+            raise TransportError(_CLOSED)
+        for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
+            if not conn.pending and not conn.closed:
                 return conn
+        self.conns = [c for c in self.conns if not c.closed]
+        idle = [c for c in self.conns if c.in_flight == 0]
+        if idle:
+            return idle[0]
+        if len(self.conns) + len(self.opening) < self.client.pool_size:
+            task = asyncio.ensure_future(self._open())
+            task.add_done_callback(_retrieve)  # (its callers may all have gone: no "never retrieved" log)
+            self.opening.add(task)
+            waiting = {task}
+        elif self.conns:
+            return min(self.conns, key=lambda c: c.in_flight)
+        else:
+            waiting = set(self.opening)
+        # (wait() does not cancel the opening when this caller is cancelled: other callers may share it)
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        opened = done.pop()
+        if opened.cancelled():  # by close()
+            raise TransportError(_CLOSED)
+        error = opened.exception()  # (shared by every caller that waited for this open)
+        if error is None:
+            conn = opened.result()
+            if conn.closed:  # (one of the caller's attempts: reconnecting here never ends with a peer that hangs up)
+                raise conn.close_reason or TransportError(f"{self.addr} closed the connection")
+            return conn
+        # Refused (say, the server's connection limit) while other connections are open or
+        # opening: use those rather than fail the call.
+        pending = set(self.opening)
+        while pending and not any(not c.closed for c in self.conns):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        live = [c for c in self.conns if not c.closed]
+        if not live:
+            raise error
+        return min(live, key=lambda c: c.in_flight)
 
     async def _open(self) -> ClientConnection:
         """Open one pool connection, in a task of its own; close() cancels it (its socket is then closed)."""
@@ -284,7 +295,7 @@ class _Node:
         await closing
         if self.shm is not None:
             self.shm.segment.close()
-            self.shm, self.shm_tried = None, None
+        self.shm, self.shm_tried = None, None  # (also when close() cut off the first attach)
 
 
 class AsyncKVClient:

@@ -147,3 +147,74 @@ def test_close_of_a_blocking_client_cuts_off_a_connection_waiting_for_its_hello(
             call.result(5)
         assert time.monotonic() - t0 < 3
         _assert_peer_sees_close(silent)
+
+
+async def test_a_peer_that_closes_after_hello_costs_a_call_its_retries_only() -> None:
+    """A peer that answers HELLO and hangs up (a proxy whose backend is gone, a server draining):
+    each such connection is one attempt of the call, which then fails. The reworked pool once
+    reconnected at once, without end (20,000 connections in 10 s)."""
+    from kvstore.protocol import HEADER, Hello, reply
+
+    accepted = 0
+
+    async def answer_hello_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        try:
+            _, _, _, rid, meta_len, payload_len = HEADER.unpack(await reader.readexactly(HEADER.size))
+            await reader.readexactly(meta_len + payload_len)
+            writer.writelines([bytes(b) for b in reply(Hello.OP, rid, version=1)])
+        finally:
+            writer.close()
+
+    peer = await asyncio.start_server(answer_hello_and_close, "127.0.0.1", 0)
+    kv = AsyncKVClient(f"127.0.0.1:{peer.sockets[0].getsockname()[1]}", pool_size=1, connect_timeout=1,
+                       timeout=1, retries=2, backoff=0.01)
+    try:
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(kv.ping(), 20)
+        assert 1 <= accepted <= 3  # 1 + retries
+    finally:
+        await kv.close()
+        peer.close()
+        await peer.wait_closed()
+
+
+async def test_close_during_the_first_arena_attach_leaves_the_next_connect_free_to_attach(
+        make_server: MakeServer, unix_path: str) -> None:
+    """close() that cut off the first attach (mapping a large arena takes a while) used to leave the
+    server's instance marked as tried, so after connect() the client never mapped it again."""
+    make_server("--capacity", "1GiB", "--unix", unix_path)
+    kv = AsyncKVClient(f"unix:{unix_path}", connect_timeout=30)
+    node = kv.nodes[0]
+    call = asyncio.ensure_future(kv.exists([key(1, "attach")]))
+    for _ in range(20_000):  # (the attach starts once the pool connection has said HELLO)
+        if node.shm_tried is not None or call.done():
+            break
+        await asyncio.sleep(0.001)
+    assert node.shm is None and not call.done(), "the attach ended before the test could close the client"
+    await kv.close()
+    with pytest.raises(TransportError, match="closed"):
+        await call
+    try:
+        await kv.connect()
+        assert node.shm is not None  # mapped now
+        assert await kv.exists([key(1, "attach")]) == [False]
+    finally:
+        await kv.close()
+
+
+async def test_calls_use_the_connections_that_opened_when_others_are_refused(make_server: MakeServer) -> None:
+    """The server takes one more connection (--max-connections): of the pool's three opens two are
+    refused. Calls that waited for a refused open use the one that opened instead of failing."""
+    srv = make_server("--capacity", "8MiB", "--max-connections", "2")
+    keys = [key(i, "refused") for i in range(2)]
+    async with AsyncKVClient(srv.addr, namespace="p") as other:  # holds one of the two
+        kv = AsyncKVClient(srv.addr, namespace="p", pool_size=3, retries=0)
+        try:
+            results = await asyncio.gather(*(kv.exists(keys) for _ in range(60)), return_exceptions=True)
+            assert results == [[False, False]] * 60, [r for r in results if isinstance(r, BaseException)][:3]
+            assert len(kv.nodes[0].conns) == 1
+        finally:
+            await kv.close()
+        assert await other.ping() >= 0
