@@ -230,7 +230,7 @@ class Service:
     """The request logic over a :class:`BlockStore`."""
 
     def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
-        if not 0 < config.lease_seconds <= config.max_lease_seconds:
+        if config.lease_seconds > config.max_lease_seconds:
             raise ValueError(f"--lease-seconds {config.lease_seconds:g} is over --max-lease-seconds "
                              f"{config.max_lease_seconds:g}")
         self.store = store
@@ -299,7 +299,7 @@ class Service:
         lease_s = min(msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds,
                       self.config.max_lease_seconds)
         n = self.store.lookup(session.namespace, msg.keys, pin=bool(msg.pin), lease_s=lease_s)
-        granted = {"lease_ms": int(lease_s * 1000)} if msg.pin else {}
+        granted = {"lease_ms": round(lease_s * 1000)} if msg.pin else {}
         if self.tier is None or n == len(msg.keys):
             return {"n": n, **granted}
         return self._lookup_tier(session.namespace, msg.keys, n, granted)
