@@ -440,8 +440,9 @@ class AsyncKVClient:
         Raises:
             CapacityError (or another ServerError) when some block could not be stored, or
             TransportError / RequestTimeout when a server could not be reached or did not
-            answer: the exception's ``result`` attribute holds the per-key outcome (a
-            PutResult), so with several servers the keys the live ones stored are known.
+            answer (any error of a server's share: its keys): the exception's ``result``
+            attribute holds the per-key outcome (a PutResult), so with several servers the
+            keys the others stored are known.
             "failed" means not known to be stored: a server that took a batch and then
             went silent may have stored it.
         """
@@ -454,7 +455,7 @@ class AsyncKVClient:
         if not keys:
             return PutResult(0, 0, 0, [])
 
-        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]] | list[TransportError]:
+        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]] | list[KVStoreError]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             blocks = _pick(views, idx)
             try:
@@ -465,7 +466,7 @@ class AsyncKVClient:
                 msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks),
                           parent=before)
                 resp = await node.call(msg, blocks, sum(msg.sizes))
-            except TransportError as exc:  # this server's share failed; what the others stored still counts
+            except KVStoreError as exc:  # this server's share failed whole; what the others stored still counts
                 return [exc] * len(idx)  # (a list: an exception returned would be raised by _per_node)
             return replies.statuses(resp.fields, len(idx), "PUT")
 
@@ -473,7 +474,7 @@ class AsyncKVClient:
         errors: dict[int, KVStoreError] = {}
         for idx, outcome in await self._per_node(keys, one):
             for i, item in zip(idx, outcome):
-                if isinstance(item, TransportError):
+                if isinstance(item, KVStoreError):
                     statuses[i] = "failed"
                     errors[i] = item
                     continue

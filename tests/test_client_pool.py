@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient, PutResult
-from kvstore.errors import RequestTimeout, TransportError
+from kvstore.errors import KVStoreError, RequestTimeout, TransportError
 
 from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
@@ -218,3 +218,23 @@ async def test_calls_use_the_connections_that_opened_when_others_are_refused(mak
         finally:
             await kv.close()
         assert await other.ping() >= 0
+
+
+async def test_a_put_over_servers_one_of_which_refuses_its_share_tells_what_the_other_stored(
+        make_server: MakeServer) -> None:
+    """A share refused whole (here a frame over one server's --max-frame-size: a ProtocolError) fails its keys;
+    the .result of the error still holds what the other server stored."""
+    roomy, strict = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--max-frame-size", "64KiB")
+    kv = AsyncKVClient([roomy.addr, strict.addr], namespace="p")
+    keys = [key(i, "refused-share") for i in range(16)]
+    on_strict = {i for i, k in enumerate(keys) if kv.nodes[kv.ring.node_of(k)].addr == strict.addr}
+    assert 2 < len(on_strict) < len(keys)  # (fixed keys: more than 64 KiB of 32 KiB blocks for the strict one)
+    try:
+        with pytest.raises(KVStoreError) as info:
+            await kv.put(keys, [bytes([i]) * (32 << 10) for i in range(len(keys))])
+        result: Any = info.value.result  # type: ignore[attr-defined]
+        assert result.statuses == ["failed" if i in on_strict else "stored" for i in range(len(keys))]
+        assert set(result.errors) == on_strict
+        assert await kv.exists(keys) == [i not in on_strict for i in range(len(keys))]
+    finally:
+        await kv.close()
