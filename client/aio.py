@@ -522,7 +522,13 @@ class AsyncKVClient:
         return first_missing
 
     async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
-        """The blocks, in key order; ``None`` where a key is missing."""
+        """The blocks, in key order; ``None`` where a key is missing.
+
+        Raises:
+            IntegrityError (a block failed its checksum), TransportError (a server could not
+            be reached), ...: once every server's share has settled, with ``result``, the
+            blocks in key order, ``None`` where missing or unusable (the others stand).
+        """
         out = await self._get(keys, None, unpin)
         return out  # type: ignore[return-value]
 
@@ -530,7 +536,8 @@ class AsyncKVClient:
         """Receive blocks straight into writable buffers of exactly the blocks' sizes.
 
         Returns per key whether it was found. Raises ``BlockSizeError`` when a
-        buffer's size differs from its block's (after the whole reply is read).
+        buffer's size differs from its block's (after the whole reply is read); like
+        every error of :meth:`get` it carries ``result`` (the filled buffers' views).
         """
         views = []
         for i, b in enumerate(_listed(buffers, "buffers")):
@@ -552,11 +559,14 @@ class AsyncKVClient:
 
         async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
-            if node.shm is not None:  # same host: copied out of the arena, verified on the way
-                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
-                    return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
-            resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin), idempotent=not unpin,
-                                   make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
+            try:
+                if node.shm is not None:  # same host: copied out of the arena, verified on the way
+                    with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                        return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
+                resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin), idempotent=not unpin,
+                                       make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
+            except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
+                return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
             assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)
             resp.sink.finish()
             return resp.sink

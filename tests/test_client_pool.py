@@ -238,3 +238,29 @@ async def test_a_put_over_servers_one_of_which_refuses_its_share_tells_what_the_
         assert await kv.exists(keys) == [i not in on_strict for i in range(len(keys))]
     finally:
         await kv.close()
+
+
+@pytest.mark.parametrize("op", ["get", "get_into"])
+async def test_a_get_over_servers_one_of_them_down_keeps_the_others_blocks(make_server: MakeServer, op: str) -> None:
+    """A get whose share on one server fails raises once every share settled; .result holds the
+    blocks the other server sent (for get_into: the caller's buffers, filled)."""
+    live, dead = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB")
+    kv = AsyncKVClient([live.addr, dead.addr], namespace="p", connect_timeout=1.0, backoff=0.01)
+    keys = [key(i, "sharded-get") for i in range(16)]
+    blocks = [bytes([i]) * 5000 for i in range(len(keys))]
+    on_dead = {i for i, k in enumerate(keys) if kv.nodes[kv.ring.node_of(k)].addr == dead.addr}
+    assert 0 < len(on_dead) < len(keys)
+    try:
+        await kv.put(keys, blocks)
+        dead.stop()
+        bufs = [bytearray(5000) for _ in keys]
+        with pytest.raises(TransportError) as info:
+            await (kv.get(keys) if op == "get" else kv.get_into(keys, bufs))
+        result: Any = info.value.result  # type: ignore[attr-defined]
+        assert [r is None for r in result] == [i in on_dead for i in range(len(keys))]
+        assert [bytes(result[i]) for i in range(len(keys)) if i not in on_dead] == \
+            [blocks[i] for i in range(len(keys)) if i not in on_dead]
+        if op == "get_into":
+            assert all(bufs[i] == blocks[i] for i in range(len(keys)) if i not in on_dead)
+    finally:
+        await kv.close()
