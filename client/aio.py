@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import ssl
 import sys
 from collections import deque
@@ -20,8 +21,8 @@ from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError,
-    from_code,
+    BlockSizeError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError,
+    TransportError, from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (
@@ -241,8 +242,8 @@ class _Node:
         while pending and not any(not c.closed for c in self.conns):
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         live = [c for c in self.conns if not c.closed]
-        if not live:
-            raise error
+        if not live:  # (a copy per caller: one shared object would gather every caller's frames)
+            raise copy.copy(error) from error
         return min(live, key=lambda c: c.in_flight)
 
     async def _open(self) -> ClientConnection:
@@ -650,11 +651,29 @@ class AsyncKVClient:
         return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
 
 
+#: Which of a batch's errors names the exception raised: the caller's own mistake first, then a
+#: corrupt block, then a server's refusal, then a server that could not be reached.
+_RAISE_FIRST = (BlockSizeError, IntegrityError, ServerError)
+
+
 def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: Any) -> NoReturn:
-    """Raise the first key's error type for a batch that partly failed; ``.result`` holds the per-key outcome."""
-    first = errors[min(errors)]
-    exc = type(first)(f"{len(errors)} of {n} blocks {what}: {first}")
+    """Raise for a batch that partly failed; ``.result`` holds the per-key outcome, ``.errors``
+    each failed key's error. An error raised for every failed key at once (a server's share that
+    failed whole, so it has a traceback; per-key statuses have none) is raised itself, with its
+    own message, traceback and code."""
+    def rank(i: int) -> tuple[int, int]:
+        return next((r for r, t in enumerate(_RAISE_FIRST) if isinstance(errors[i], t)), len(_RAISE_FIRST)), i
+
+    first = errors[min(errors, key=rank)]
+    if first.__traceback__ is not None and all(e is first for e in errors.values()):
+        exc = first
+    else:
+        exc = type(first)(f"{len(errors)} of {n} blocks {what}: {first}")
+        exc.__cause__ = first
+        if isinstance(first, ServerError):
+            exc.code = first.code  # type: ignore[attr-defined]
     exc.result = result  # type: ignore[attr-defined]
+    exc.errors = errors  # type: ignore[attr-defined]
     raise exc
 
 

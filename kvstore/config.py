@@ -57,7 +57,9 @@ class ServerConfig:
     eviction: str = "lru"
     page_size: int = 64 << 10
     lease_seconds: float = 30.0
-    max_lease_seconds: float = 600.0  # a LOOKUP's own lease_ms is cut to this (leased blocks cannot be evicted)
+    # A LOOKUP's own lease_ms is cut to this (leased blocks cannot be evicted); None: 600 s, or
+    # lease_seconds where that is longer (a deployment that raised the default keeps starting).
+    max_lease_seconds: float | None = None
     drain_seconds: float = 10.0
     log_level: str = "info"
     max_pending_out: int = 64 << 20  # stop reading a connection whose unsent replies exceed this
@@ -85,6 +87,12 @@ class ServerConfig:
     # Same-host transport (docs/shm.md): a Unix socket, and the arena shared over it as a memfd.
     unix: str | None = None  # path of a Unix socket to listen on too (mode 0660; removed on shutdown)
     shm: bool = True  # offer the block arena as shared memory on the Unix socket (--no-shm: never)
+
+    def lease_cap(self) -> float:
+        """The longest lease a client gets (``max_lease_seconds`` with its default filled in)."""
+        if self.max_lease_seconds is not None:
+            return self.max_lease_seconds
+        return max(600.0, self.lease_seconds)
 
     def limits(self) -> Limits:
         """The codec limits these settings ask for; the meta limit grows with the batch limit."""

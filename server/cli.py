@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--page-size", _size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", _lease, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--max-lease-seconds", _lease, d.max_lease_seconds,
-        "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted)")
+        "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted); "
+        "unset: 600, or --lease-seconds if longer")
     add("--busy-poll-us", _poll_window, d.busy_poll_us,
         "after each request, poll without sleeping for this many microseconds (lower latency, more CPU; 0 = off)")
     add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")

@@ -230,9 +230,9 @@ class Service:
     """The request logic over a :class:`BlockStore`."""
 
     def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
-        if config.lease_seconds > config.max_lease_seconds:
+        if config.lease_seconds > config.lease_cap():
             raise ValueError(f"--lease-seconds {config.lease_seconds:g} is over --max-lease-seconds "
-                             f"{config.max_lease_seconds:g}")
+                             f"{config.lease_cap():g}")
         self.store = store
         self.config = config
         self.tier = tier
@@ -297,7 +297,7 @@ class Service:
         """A pinned lookup's lease is cut to --max-lease-seconds: leased blocks cannot be evicted,
         and a client asking for days (lease_ms goes up to 2**31) could fill the store with them."""
         lease_s = min(msg.lease_ms / 1000 if msg.lease_ms else self.config.lease_seconds,
-                      self.config.max_lease_seconds)
+                      self.config.lease_cap())
         n = self.store.lookup(session.namespace, msg.keys, pin=bool(msg.pin), lease_s=lease_s)
         granted = {"lease_ms": round(lease_s * 1000)} if msg.pin else {}
         if self.tier is None or n == len(msg.keys):

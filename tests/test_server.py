@@ -371,6 +371,25 @@ async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server) -
         assert (await kv.stats())["store"]["leases"] == 0
 
 
+async def test_without_max_lease_seconds_the_cap_is_600_or_the_default_lease(make_server) -> None:
+    """A deployment that raised --lease-seconds past 600 before the cap existed still starts."""
+    from kvstore.client.connection import open_connection
+    from kvstore.protocol import DEFAULT_LIMITS, Lookup
+
+    keys = [key(0, "cap")]
+    for args, granted in ((("--lease-seconds", "900"), 900_000), ((), 600_000)):
+        srv = make_server("--capacity", "8MiB", *args)
+        async with AsyncKVClient(srv.addr, namespace="m") as kv:
+            await kv.put(keys, [block(0, 4096)])
+        conn = await open_connection("127.0.0.1", srv.port, namespace="m", token=None, tls=None,
+                                     limits=DEFAULT_LIMITS, timeout=5)
+        try:
+            reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=2**31), timeout=5)
+            assert reply.fields == {"n": 1, "lease_ms": granted}
+        finally:
+            await conn.aclose()
+
+
 def test_lease_seconds_over_the_maximum_is_refused_at_start() -> None:
     proc = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "8MiB",
                            "--lease-seconds", "60", "--max-lease-seconds", "30"],
