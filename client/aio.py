@@ -443,7 +443,7 @@ class AsyncKVClient:
             TransportError / RequestTimeout when a server could not be reached or did not
             answer (any error of a server's share: its keys): the exception's ``result``
             attribute holds the per-key outcome (a PutResult), so with several servers the
-            keys the others stored are known.
+            keys the others stored are known; ``errors``, each failed key's error.
             "failed" means not known to be stored: a server that took a batch and then
             went silent may have stored it.
         """
@@ -528,7 +528,8 @@ class AsyncKVClient:
         Raises:
             IntegrityError (a block failed its checksum), TransportError (a server could not
             be reached), ...: once every server's share has settled, with ``result``, the
-            blocks in key order, ``None`` where missing or unusable (the others stand).
+            blocks in key order, ``None`` where missing or unusable (the others stand), and
+            ``errors``, each unusable key's error.
         """
         out = await self._get(keys, None, unpin)
         return out  # type: ignore[return-value]
