@@ -205,6 +205,21 @@ class _Node:
         # wait before its own).
         self.opening: set[asyncio.Task[ClientConnection]] = set()
         self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
+        # What one request may carry: the client's own limits, and the server's once its HELLO says.
+        self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
+
+    def batches(self, sizes: Sequence[int]) -> list[range]:
+        """A batch cut into consecutive runs within the server's payload and key limits: one
+        frame of a long prompt's KV (several GB for a large model) would be refused whole."""
+        out: list[range] = []
+        lo = total = 0
+        for i, n in enumerate(sizes):
+            if i > lo and (i - lo >= self.max_batch or total + n > self.max_payload):
+                out.append(range(lo, i))
+                lo, total = i, 0
+            total += n
+        out.append(range(lo, len(sizes)))
+        return out
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
@@ -253,6 +268,11 @@ class _Node:
             conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
                                          limits=c.limits, timeout=c.connect_timeout,
                                          server_hostname=c.server_hostname or self.host, unix=self.unix)
+            limits = conn.hello.get("limits")
+            if isinstance(limits, dict):  # (a server that does not say keeps the client's own)
+                for name in ("max_payload", "max_batch"):
+                    if type(limits.get(name)) is int and limits[name] > 0:
+                        setattr(self, name, min(getattr(c.limits, name), limits[name]))
             try:
                 async with self._attaching:
                     self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
@@ -400,14 +420,17 @@ class AsyncKVClient:
     def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, Sequence[int]]]:
         """Like :meth:`_groups`, with a large read split into parts of at least
         ``split_bytes`` that go out in parallel over the server's pooled connections
-        (block sizes: the buffers', or the last reply's average for ``get``)."""
+        (block sizes: the buffers', or the last reply's average for ``get``), and one
+        too big for a single reply into parts the server's limits allow."""
         groups = self._groups(keys)
-        if self.split_bytes <= 0 or self.pool_size == 1:
-            return groups
         out: list[tuple[_Node, Sequence[int]]] = []
         for node, idx in groups:
-            total = sum(len(buffers[i]) for i in idx) if buffers is not None else len(idx) * self._block_bytes
-            parts = min(self.pool_size, len(idx), total // self.split_bytes)
+            sizes = [len(buffers[i]) for i in idx] if buffers is not None else [self._block_bytes] * len(idx)
+            total = sum(sizes)
+            if len(idx) > node.max_batch or total > node.max_payload:  # one reply could not carry it
+                out += [(node, idx[r.start:r.stop]) for r in node.batches(sizes)]
+                continue
+            parts = min(self.pool_size, len(idx), total // self.split_bytes) if self.split_bytes > 0 else 1
             if parts <= 1 or node.shm is not None:
                 out.append((node, idx))
                 continue
@@ -456,20 +479,32 @@ class AsyncKVClient:
         if not keys:
             return PutResult(0, 0, 0, [])
 
-        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None]] | list[KVStoreError]:
+        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None] | KVStoreError]:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
-            blocks = _pick(views, idx)
-            try:
-                # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
-                if node.shm is not None and sum(map(len, blocks)) >= node.shm.inline_put_bytes:
-                    with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
-                        return await node.shm.put(_pick(keys, idx), blocks, before)
-                msg = Put(keys=_pick(keys, idx), sizes=list(map(len, blocks)), checksums=checksums(blocks),
-                          parent=before)
-                resp = await node.call(msg, blocks, sum(msg.sizes))
-            except KVStoreError as exc:  # this server's share failed whole; what the others stored still counts
-                return [exc] * len(idx)  # (a list: an exception returned would be raised by _per_node)
-            return replies.statuses(resp.fields, len(idx), "PUT")
+            share, blocks = _pick(keys, idx), _pick(views, idx)
+            sizes = list(map(len, blocks))
+            parts = [range(len(idx))] if len(idx) <= node.max_batch and sum(sizes) <= node.max_payload \
+                else node.batches(sizes)  # (each part continues the chain of the one before)
+            outcome: list[tuple[int, str | None] | KVStoreError] = []
+            for part in parts:
+                whole = len(parts) == 1
+                try:
+                    outcome += await put_part(node, share if whole else share[part.start:part.stop],
+                                              blocks if whole else blocks[part.start:part.stop],
+                                              before if part.start == 0 else share[part.start - 1])
+                except KVStoreError as exc:  # this part failed whole; what was stored before it still counts
+                    return outcome + [exc] * (len(idx) - len(outcome))  # (a list: _per_node raises an exception)
+            return outcome
+
+        async def put_part(node: _Node, part_keys: list[bytes], blocks: list[memoryview],
+                           before: bytes | None) -> list[tuple[int, str | None]]:
+            # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
+            if node.shm is not None and sum(map(len, blocks)) >= node.shm.inline_put_bytes:
+                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                    return await node.shm.put(part_keys, blocks, before)
+            msg = Put(keys=part_keys, sizes=list(map(len, blocks)), checksums=checksums(blocks), parent=before)
+            resp = await node.call(msg, blocks, sum(msg.sizes))
+            return replies.statuses(resp.fields, len(part_keys), "PUT")
 
         statuses: list[str] = [""] * len(keys)
         errors: dict[int, KVStoreError] = {}

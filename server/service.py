@@ -240,6 +240,8 @@ class Service:
         self.started = time.time()
         self.auth = TokenTable.load(config.token_file) if config.token_file else None
         self.max_reply = config.limits().max_payload  # a bigger GET reply is refused by the client's codec
+        # Announced in HELLO: clients split bigger batches into requests within them.
+        self.hello_limits = {"max_payload": config.max_frame_size, "max_batch": config.max_batch}
         self.tier_writes: TierWrites = {}  # blocks in memory whose tier write is still running
         # Tier deletes (and flushes) started and finished: a read-through that overlapped one must not
         # promote what it read, or the deleted block would come back into memory.
@@ -282,7 +284,7 @@ class Service:
         session.namespace = msg.namespace
         session.greeted = True
         return {"version": VERSION, "server": f"kvstore/{__version__}", "namespace": msg.namespace,
-                **self.shm.hello_fields(session)}
+                "limits": self.hello_limits, **self.shm.hello_fields(session)}
 
     def check_allowed(self, session: Session, op: int) -> None:
         """Before HELLO only HELLO and PING are served (checked by op: a malformed frame too)."""

@@ -113,6 +113,8 @@ async def test_a_read_over_two_servers_returns_only_once_every_part_has_settled(
                   for addr in (slow.addr, fast.addr)}
             keys = on[slow.addr][:3] + on[fast.addr][:3]
             await kv.put(keys[:3], [b"\x01" * 1000] * 3)
+            for node in kv.nodes:  # as if the server did not announce its limits: the batch goes out whole
+                node.max_batch = kv.limits.max_batch
             bufs = [bytearray(1000) for _ in keys]
             assert slow.proc is not None
             os.kill(slow.proc.pid, signal.SIGSTOP)

@@ -310,3 +310,27 @@ async def test_a_server_that_cannot_be_reached_is_raised_as_itself_to_each_calle
         assert len({id(e) for e in raised}) == 4
     finally:
         await kv.close()
+
+
+@pytest.mark.parametrize("limit", ["frame", "batch"])
+async def test_a_batch_over_the_servers_limits_goes_out_in_parts(make_server: MakeServer, limit: str) -> None:
+    """A put or get_into bigger than one request may carry (a long prompt's KV can be several GB)
+    is sent as consecutive parts within the limits the server announces in HELLO; it used to be
+    refused whole (a frame over --max-frame-size even cost the connection)."""
+    flags = ("--max-frame-size", "64KiB") if limit == "frame" else ("--max-batch", "4")
+    srv = make_server("--capacity", "8MiB", *flags)
+    keys = [key(i, f"parts-{limit}") for i in range(10)]
+    blocks = [bytes([i]) * 30_000 for i in range(len(keys))]
+    async with AsyncKVClient(srv.addr, namespace="p") as kv:
+        node = kv.nodes[0]
+        assert (node.max_payload, node.max_batch) == ((64 << 10, 16384) if limit == "frame" else (2 << 30, 4))
+        res = await kv.put(keys, blocks)
+        assert res.statuses == ["stored"] * len(keys)
+        bufs = [bytearray(30_000) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [True] * len(keys) and bufs == blocks
+        assert [bytes(b) for b in await kv.get(keys)] == blocks  # (sized by the last reply's blocks)
+        if limit == "frame":
+            assert await kv.lookup(keys) == len(keys)  # one chain, part after part
+        stats = await kv.stats()
+        assert stats["requests"]["put"] == 5 if limit == "frame" else 3
+        assert not stats["errors"] and stats["connections_total"] <= 4  # nothing refused, no connection lost
