@@ -211,6 +211,8 @@ class _Node:
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
         frame of a long prompt's KV (several GB for a large model) would be refused whole."""
+        if len(sizes) <= self.max_batch and sum(sizes) <= self.max_payload:  # the usual case: one run
+            return [range(len(sizes))]
         out: list[range] = []
         lo = total = 0
         for i, n in enumerate(sizes):
@@ -426,10 +428,11 @@ class AsyncKVClient:
         out: list[tuple[_Node, Sequence[int]]] = []
         for node, idx in groups:
             sizes = [len(buffers[i]) for i in idx] if buffers is not None else [self._block_bytes] * len(idx)
-            total = sum(sizes)
-            if len(idx) > node.max_batch or total > node.max_payload:  # one reply could not carry it
-                out += [(node, idx[r.start:r.stop]) for r in node.batches(sizes)]
+            runs = node.batches(sizes)
+            if len(runs) > 1:  # one reply could not carry it
+                out += [(node, idx[r.start:r.stop]) for r in runs]
                 continue
+            total = sum(sizes)
             parts = min(self.pool_size, len(idx), total // self.split_bytes) if self.split_bytes > 0 else 1
             if parts <= 1 or node.shm is not None:
                 out.append((node, idx))
@@ -483,27 +486,28 @@ class AsyncKVClient:
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             share, blocks = _pick(keys, idx), _pick(views, idx)
             sizes = list(map(len, blocks))
-            parts = [range(len(idx))] if len(idx) <= node.max_batch and sum(sizes) <= node.max_payload \
-                else node.batches(sizes)  # (each part continues the chain of the one before)
+            parts = node.batches(sizes)  # (each part continues the chain of the one before)
+            whole = len(parts) == 1
             outcome: list[tuple[int, str | None] | KVStoreError] = []
             for part in parts:
-                whole = len(parts) == 1
                 try:
                     outcome += await put_part(node, share if whole else share[part.start:part.stop],
                                               blocks if whole else blocks[part.start:part.stop],
+                                              sizes if whole else sizes[part.start:part.stop],
                                               before if part.start == 0 else share[part.start - 1])
                 except KVStoreError as exc:  # this part failed whole; what was stored before it still counts
                     return outcome + [exc] * (len(idx) - len(outcome))  # (a list: _per_node raises an exception)
             return outcome
 
-        async def put_part(node: _Node, part_keys: list[bytes], blocks: list[memoryview],
+        async def put_part(node: _Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
                            before: bytes | None) -> list[tuple[int, str | None]]:
+            nbytes = sum(sizes)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
-            if node.shm is not None and sum(map(len, blocks)) >= node.shm.inline_put_bytes:
+            if node.shm is not None and nbytes >= node.shm.inline_put_bytes:
                 with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
                     return await node.shm.put(part_keys, blocks, before)
-            msg = Put(keys=part_keys, sizes=list(map(len, blocks)), checksums=checksums(blocks), parent=before)
-            resp = await node.call(msg, blocks, sum(msg.sizes))
+            msg = Put(keys=part_keys, sizes=sizes, checksums=checksums(blocks), parent=before)
+            resp = await node.call(msg, blocks, nbytes)
             return replies.statuses(resp.fields, len(part_keys), "PUT")
 
         statuses: list[str] = [""] * len(keys)
