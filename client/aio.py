@@ -22,7 +22,7 @@ import xxhash
 
 from kvstore.errors import (
     BlockSizeError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError,
-    TransportError, from_code,
+    TooLarge, TransportError, from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (
@@ -222,6 +222,12 @@ class _Node:
             total += n
         out.append(range(lo, len(sizes)))
         return out
+
+    def key_runs(self, n: int) -> list[range]:
+        """``n`` keys of a request that carries no blocks (lookup, exists, ...) in runs the server's
+        ``--max-batch`` allows: a chain of a very long prompt can pass it (16,384 blocks by default)."""
+        step = self.max_batch
+        return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
@@ -502,10 +508,14 @@ class AsyncKVClient:
         async def put_part(node: _Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
                            before: bytes | None) -> list[tuple[int, str | None]]:
             nbytes = sum(sizes)
+            too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
             if node.shm is not None and nbytes >= node.shm.inline_put_bytes:
                 with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
                     return await node.shm.put(part_keys, blocks, before)
+            if too_large:  # the server would drop the connection on its frame: say so here, for this key only
+                return [(TooLarge.code, f"a block of {nbytes} bytes is over the {node.max_payload} bytes "
+                                        f"one request to {node.addr} may carry (its --max-frame-size)")]
             msg = Put(keys=part_keys, sizes=sizes, checksums=checksums(blocks), parent=before)
             resp = await node.call(msg, blocks, nbytes)
             return replies.statuses(resp.fields, len(part_keys), "PUT")
@@ -534,19 +544,26 @@ class AsyncKVClient:
     async def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
         """How many leading keys are present: the largest m with keys[:m] all stored.
 
-        One round trip per server. ``pin=True`` leases those blocks (``lease_ms``,
-        default the server's) so eviction cannot take them before the fetch.
+        One round trip per server (one per ``--max-batch`` keys of a longer chain, until
+        one finds a key missing). ``pin=True`` leases those blocks (``lease_ms``, default
+        the server's) so eviction cannot take them before the fetch.
         """
         keys = _checked_keys(keys)
         if not keys:
             return 0
 
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            resp = await node.call(Lookup(keys=_pick(keys, idx), pin=pin, lease_ms=lease_ms), idempotent=not pin)
-            n = resp.fields.get("n")
-            if type(n) is not int or not 0 <= n <= len(idx):
-                raise ProtocolError("malformed LOOKUP reply")
-            return n
+            found = 0
+            for run in node.key_runs(len(idx)):  # (a run starts where the one before found every key)
+                part = _pick(keys, idx[run.start:run.stop])
+                resp = await node.call(Lookup(keys=part, pin=pin, lease_ms=lease_ms), idempotent=not pin)
+                n = resp.fields.get("n")
+                if type(n) is not int or not 0 <= n <= len(part):
+                    raise ProtocolError("malformed LOOKUP reply")
+                found += n
+                if n < len(part):
+                    break
+            return found
 
         first_missing = len(keys)
         shares = await self._per_node(keys, one)
@@ -675,8 +692,11 @@ class AsyncKVClient:
 
     async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
         async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
-            resp = await node.call(make(_pick(keys, idx)))
-            return replies.bools(resp.fields.get(name), len(idx), name)
+            out: list[bool] = []
+            for run in node.key_runs(len(idx)):
+                resp = await node.call(make(_pick(keys, idx[run.start:run.stop])))
+                out += replies.bools(resp.fields.get(name), len(run), name)
+            return out
 
         out = [False] * len(keys)
         for idx, vals in await self._per_node(keys, one):
@@ -686,7 +706,11 @@ class AsyncKVClient:
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            return replies.count((await node.call(make(_pick(keys, idx)), idempotent=idempotent)).fields, "n")
+            n = 0
+            for run in node.key_runs(len(idx)):
+                resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent)
+                n += replies.count(resp.fields, "n")
+            return n
 
         return sum(n for _, n in await self._per_node(keys, one)) if keys else 0
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient, PutResult
-from kvstore.errors import BlockSizeError, KVStoreError, RequestTimeout, TransportError
+from kvstore.errors import BlockSizeError, KVStoreError, RequestTimeout, TooLarge, TransportError
 
 from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
@@ -329,8 +329,48 @@ async def test_a_batch_over_the_servers_limits_goes_out_in_parts(make_server: Ma
         bufs = [bytearray(30_000) for _ in keys]
         assert await kv.get_into(keys, bufs) == [True] * len(keys) and bufs == blocks
         assert [bytes(b) for b in await kv.get(keys)] == blocks  # (sized by the last reply's blocks)
-        if limit == "frame":
-            assert await kv.lookup(keys) == len(keys)  # one chain, part after part
+        assert await kv.lookup(keys) == len(keys)  # one chain, part after part
         stats = await kv.stats()
-        assert stats["requests"]["put"] == 5 if limit == "frame" else 3
+        assert stats["requests"]["put"] == (5 if limit == "frame" else 3)
         assert not stats["errors"] and stats["connections_total"] <= 4  # nothing refused, no connection lost
+
+
+async def test_key_lists_over_the_servers_max_batch_go_out_in_runs(make_server: MakeServer) -> None:
+    """A lookup, exists, unpin or delete of more keys than --max-batch (a very long prompt's chain)
+    was refused whole (InvalidRequest); the client now sends runs the server takes, and a lookup
+    stops at the first run that finds a key missing."""
+    srv = make_server("--capacity", "8MiB", "--max-batch", "4")
+    keys = [key(i, "key-runs") for i in range(10)]  # runs 0-3, 4-7, 8-9
+    async with AsyncKVClient(srv.addr, namespace="p") as kv:
+        await kv.put(keys, [bytes([i]) * 1000 for i in range(len(keys))])
+        assert await kv.lookup(keys) == 10
+        assert await kv.lookup(keys, pin=True) == 10
+        assert await kv.unpin(keys) == 10  # every leading block was pinned once
+        assert await kv.delete([keys[6], keys[9]]) == 2
+        assert await kv.exists(keys) == [i not in (6, 9) for i in range(10)]
+        before = (await kv.stats())["requests"]["lookup"]
+        assert await kv.lookup(keys, pin=True) == 6
+        assert (await kv.stats())["requests"]["lookup"] - before == 2  # the third run was not asked
+        assert await kv.unpin(keys) == 6
+        assert await kv.delete([keys[4]]) == 1
+        assert await kv.lookup(keys) == 4  # the second run finds its first key missing
+        assert await kv.delete(keys) == 7
+        stats = await kv.stats()
+        assert not stats["errors"] and stats["store"]["blocks"] == 0
+
+
+async def test_a_block_over_the_servers_frame_limit_fails_alone_and_costs_no_connection(
+        make_server: MakeServer) -> None:
+    """One block bigger than a request may carry (--max-frame-size) fails with TooLarge, its key only;
+    sent, the server would have taken the frame for garbage and dropped the connection."""
+    srv = make_server("--capacity", "8MiB", "--max-frame-size", "64KiB")
+    keys = [key(i, "too-large") for i in range(3)]
+    blocks = [b"a" * 30_000, b"b" * 100_000, b"c" * 30_000]
+    async with AsyncKVClient(srv.addr, namespace="p") as kv:
+        with pytest.raises(TooLarge, match="100000 bytes") as info:
+            await kv.put(keys, blocks)
+        result: Any = info.value.result  # type: ignore[attr-defined]
+        assert result.statuses == ["stored", "failed", "stored"] and set(result.errors) == {1}
+        assert await kv.exists(keys) == [True, False, True]
+        stats = await kv.stats()
+        assert not stats["errors"] and stats["connections_total"] == 1
