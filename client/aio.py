@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import ssl
 import sys
 from collections import deque
@@ -37,6 +38,7 @@ from .sharding import Ring
 from .workers import run_parallel
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def checksum(block: memoryview) -> int:
@@ -207,6 +209,7 @@ class _Node:
         self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
+        self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
 
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
@@ -561,6 +564,11 @@ class AsyncKVClient:
                 if type(n) is not int or not 0 <= n <= len(part):
                     raise ProtocolError("malformed LOOKUP reply")
                 found += n
+                granted = resp.fields.get("lease_ms")
+                if lease_ms and type(granted) is int and granted < lease_ms and not node.lease_cut_told:
+                    node.lease_cut_told = True  # (once per server: an engine asks the same on every lookup)
+                    log.warning("%s leases pinned blocks for at most %d ms (its --max-lease-seconds); "
+                                "asked for %d ms", node.addr, granted, lease_ms)
                 if n < len(part):
                     break
             return found

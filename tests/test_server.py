@@ -343,9 +343,10 @@ async def test_leases_of_readers_gone_end_on_time_while_others_read_the_block(ma
         assert (await kv.stats())["store"]["leases"] == 0
 
 
-async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server) -> None:
+async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server, caplog) -> None:
     """lease_ms may ask for up to 2**31 ms (24 days) of blocks eviction cannot take; the server
-    grants at most --max-lease-seconds, says what it granted, and the lease ends then."""
+    grants at most --max-lease-seconds, says what it granted, and the lease ends then. The
+    client says so in its log, once."""
     from kvstore.client.connection import open_connection
     from kvstore.protocol import DEFAULT_LIMITS, Lookup
 
@@ -365,6 +366,13 @@ async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server) -
         finally:
             await conn.aclose()
         assert (await kv.stats())["store"]["leases"] == 4
+        with caplog.at_level("WARNING", logger="kvstore.client.aio"):
+            for _ in range(2):
+                assert await kv.lookup(keys, pin=True, lease_ms=60_000) == 2
+            assert await kv.lookup(keys, pin=True, lease_ms=400) == 2
+        told = [r.getMessage() for r in caplog.records if "lease" in r.getMessage()]
+        assert told == [f"{srv.addr} leases pinned blocks for at most 500 ms (its --max-lease-seconds); "
+                        "asked for 60000 ms"]
         until = time.monotonic() + 10
         while (await kv.stats())["store"]["leases"] and time.monotonic() < until:
             await asyncio.sleep(0.1)
