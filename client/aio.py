@@ -14,6 +14,7 @@ import copy
 import logging
 import ssl
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -687,12 +688,10 @@ class AsyncKVClient:
 
     async def ping(self) -> float:
         """Round-trip time in seconds (the slowest server's, when several)."""
-        loop = asyncio.get_running_loop()
-
         async def one(node: _Node) -> float:
-            t0 = loop.time()
+            t0 = time.perf_counter()  # (not loop.time(): uvloop's moves in whole milliseconds)
             await node.call(Ping())
-            return loop.time() - t0
+            return time.perf_counter() - t0
 
         if len(self.nodes) == 1:  # (a gather's task would add its loop turns, ~50 us here, to the time)
             return await one(self.nodes[0])
@@ -758,7 +757,11 @@ def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:
 
 
 def _listed(items: Any, what: str) -> list[Any]:
-    """``items`` as a list: an argument that is no collection at all (e.g. None) is an InvalidRequest too."""
+    """``items`` as a list: an argument that is no collection at all (e.g. None) is an InvalidRequest too,
+    and so is one key or block passed alone (bytes would be taken apart into ints)."""
+    if isinstance(items, (bytes, bytearray, str)) or (isinstance(items, memoryview) and items.ndim <= 1):
+        raise InvalidRequest(f"{what} must be a sequence of them, not one {type(items).__name__} "
+                             f"(for one, pass [{what[:-1]}])")
     try:
         return list(items)
     except TypeError:
@@ -792,7 +795,10 @@ def _ssl_context(tls: ssl.SSLContext | bool | str | None) -> ssl.SSLContext | No
         return tls
     if tls is True:
         return ssl.create_default_context()
-    return ssl.create_default_context(cafile=tls)
+    try:
+        return ssl.create_default_context(cafile=tls)
+    except (OSError, ssl.SSLError) as exc:  # (FileNotFoundError names no file)
+        raise InvalidRequest(f"tls={tls!r}: cannot load it as a CA file ({exc.strerror or exc})") from None
 
 
 __all__ = ["AsyncKVClient", "PutResult"]

@@ -260,7 +260,7 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
     except asyncio.TimeoutError:
         raise TransportError(f"timed out connecting to {where}") from None
     except ssl.SSLError as exc:
-        raise TransportError(f"TLS handshake with {where} failed: {exc.reason or exc}") from None
+        raise TransportError(f"TLS handshake with {where} failed: {_tls_reason(exc)}") from None
     except OSError as exc:
         raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
     if not hello:
@@ -271,9 +271,22 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
         await conn.discard(TransportError("HELLO failed; connection discarded"))  # (no socket outlives the call)
         if isinstance(exc, RequestTimeout):
             raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
+        if isinstance(exc, TransportError) and tls is None and not unix:  # what a TLS server does with plain text
+            raise TransportError(f"{where} closed the connection at HELLO (does it expect TLS? "
+                                 f"pass tls=True or a CA file)") from None
         raise
     conn.hello = resp.fields
     return conn
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    """Why a handshake failed, with the likely fix for the two usual mistakes."""
+    reason = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    if "mismatch" in reason.lower():
+        reason += " (server_hostname / --tls-server-name names the host the certificate was made for)"
+    elif exc.reason == "WRONG_VERSION_NUMBER":
+        reason += " (the server answered in plain text: is it started with --tls-cert?)"
+    return reason
 
 
 __all__ = ["ClientConnection", "Response", "open_connection"]

@@ -97,7 +97,7 @@ class ServerConfig:
     def limits(self) -> Limits:
         """The codec limits these settings ask for; the meta limit grows with the batch limit."""
         return Limits(max_meta=max(4 << 20, self.max_batch * 256), max_payload=self.max_frame_size,
-                      max_batch=self.max_batch, max_block=self.max_block)
+                      max_batch=self.max_batch)
 
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)

@@ -31,7 +31,6 @@ class Limits:
     max_meta: int = 4 << 20
     max_payload: int = 2 << 30
     max_batch: int = 16384
-    max_block: int = 1 << 30
 
 
 DEFAULT_LIMITS = Limits()
@@ -84,12 +83,6 @@ def _check_ints(name: str, values: Any, n: int, *, lo: int = 0, hi: int = 2**64 
             # (named by type unless an int: a wire value's repr may be huge, or nested too deep to make)
             shown = v if type(v) is int else f"a {type(v).__name__}"
             raise InvalidRequest(f"{name} holds {shown}, not an integer in {lo}..{hi}")
-
-
-def _check_sizes(sizes: Any, n: int, limits: Limits) -> None:
-    _check_ints("sizes", sizes, n)
-    if n and (big := max(sizes)) > limits.max_block:
-        raise TooLarge(f"a block of {big} bytes is over the limit of {limits.max_block} bytes")
 
 
 def _check_parent(parent: Any) -> None:
@@ -155,7 +148,7 @@ class Put(Message):
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
         _check_parent(self.parent)
-        _check_sizes(self.sizes, len(self.keys), limits)
+        _check_ints("sizes", self.sizes, len(self.keys))  # (--max-block: per block, at reserve)
         if self.checksums:
             _check_ints("checksums", self.checksums, len(self.keys))
         if sum(self.sizes) != payload_len:
@@ -267,7 +260,7 @@ class ShmPut(Message):
     def validate(self, payload_len: int, limits: Limits) -> None:
         _check_keys(self.keys, limits)
         _check_parent(self.parent)
-        _check_sizes(self.sizes, len(self.keys), limits)
+        _check_ints("sizes", self.sizes, len(self.keys))  # (--max-block: per block, at reserve)
         _no_payload(self, payload_len)
 
 

@@ -605,7 +605,8 @@ class BlockStore:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidRequest(f"a block size must be an int >= 0, got {size!r}")
         if size > self._max_block:
-            raise TooLarge(f"block of {size} bytes is over the limit of {self._max_block}")
+            raise TooLarge(f"a block of {size} bytes is over the {self._max_block} bytes a block may hold here "
+                           f"(--max-block, and at most the capacity)")
 
     def _deadline(self, lease_s: float | None) -> float:
         if lease_s is None:
@@ -628,9 +629,12 @@ class BlockStore:
         self.expire_leases()  # expired leases pin nothing
         evictable = self._index_pages - self._pinned_pages
         if arena.free_pages + evictable < pages:
+            mib = arena.page_size / (1 << 20)  # (in MiB: what an operator sized --capacity in)
             raise CapacityError(
-                f"need {pages} pages: {arena.free_pages} free, {evictable} evictable, "
-                f"{self._pinned_pages} pinned, {self._reserved_pages} reserved"
+                f"no room for a block of {pages * mib:.2f} MiB in {arena.num_pages * mib:.2f} MiB: "
+                f"{arena.free_pages * mib:.2f} free, {evictable * mib:.2f} evictable, {self._pinned_pages * mib:.2f} "
+                f"pinned (leases, reads), {self._reserved_pages * mib:.2f} taken by puts being received "
+                f"(this batch's earlier blocks too)"
             )
         while arena.free_pages < pages:
             pkey = self._policy.evict(self._is_protected)

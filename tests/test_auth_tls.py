@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import AsyncKVClient
-from kvstore.errors import PROTOCOL_ERROR_CODE, TransportError, Unauthorized, Unavailable
+from kvstore.errors import PROTOCOL_ERROR_CODE, InvalidRequest, TransportError, Unauthorized, Unavailable
 from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, encode
 
 TOKEN = "s3cret-global-7f3a"
@@ -129,13 +129,20 @@ async def test_tls_round_trip_and_clean_failures(make_server, tls_files: dict[st
         assert await kv.lookup([b"big"]) == 1
 
     t0 = time.monotonic()
-    with pytest.raises(TransportError):  # plaintext client against TLS: fails, does not hang
+    with pytest.raises(TransportError, match="does it expect TLS"):  # plaintext client against TLS: fails, does not hang
         async with AsyncKVClient(srv.addr, retries=0, connect_timeout=5):
             pass
     with pytest.raises(TransportError, match="TLS"):  # TLS with the system CAs: our test CA is unknown
         async with AsyncKVClient(srv.addr, tls=True, retries=0, connect_timeout=5):
             pass
+    # a name the certificate does not hold: the reason, and what to pass
+    with pytest.raises(TransportError, match="(?i)mismatch.*server_hostname / --tls-server-name"):
+        async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), server_hostname="kv9.example",
+                                 retries=0, connect_timeout=5):
+            pass
     assert time.monotonic() - t0 < 4
+    with pytest.raises(InvalidRequest, match="nope.pem.*cannot load it as a CA file"):
+        AsyncKVClient(srv.addr, tls="nope.pem")  # (was a bare FileNotFoundError, naming no file)
 
 
 async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server, tls_files: dict[str, Path]) -> None:
@@ -156,7 +163,7 @@ async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server,
 
 async def test_tls_client_against_plaintext_server_fails_cleanly(server, tls_files: dict[str, Path]) -> None:
     t0 = time.monotonic()
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match="answered in plain text"):
         async with AsyncKVClient(server.addr, tls=str(tls_files["ca"]), retries=0, connect_timeout=5):
             pass
     assert time.monotonic() - t0 < 4

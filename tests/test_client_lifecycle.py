@@ -108,6 +108,13 @@ def test_arguments_of_the_wrong_kind_raise_invalid_request(make_server: MakeServ
             with pytest.raises(InvalidRequest):
                 call()
         assert kv.exists(keys) == [False]  # nothing left half-done
+        # one key or block where a list goes (bytes would be taken apart into ints: "got int")
+        for call, what in ((lambda: kv.put(keys[0], [b"x"]), "keys"), (lambda: kv.put(keys, b"x"), "blocks"),
+                           (lambda: kv.lookup(keys[0]), "keys"), (lambda: kv.get_into(keys, bytearray(1)), "buffers")):
+            with pytest.raises(InvalidRequest, match=f"{what} must be a sequence of them, not one"):
+                call()
+        # KVClient runs on uvloop, whose loop clock moves in whole milliseconds: ping() read 0.0
+        assert all(kv.ping() > 0 for _ in range(5))
     for addr, settings in ((None, {}), (srv.addr, {"pool_size": "2"}), (srv.addr, {"timeout": -1}),
                            (srv.addr, {"timeout": 0}), (srv.addr, {"connect_timeout": float("nan")}),
                            (srv.addr, {"retries": -1})):

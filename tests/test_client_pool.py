@@ -359,18 +359,29 @@ async def test_key_lists_over_the_servers_max_batch_go_out_in_runs(make_server: 
         assert not stats["errors"] and stats["store"]["blocks"] == 0
 
 
-async def test_a_block_over_the_servers_frame_limit_fails_alone_and_costs_no_connection(
-        make_server: MakeServer) -> None:
-    """One block bigger than a request may carry (--max-frame-size) fails with TooLarge, its key only;
-    sent, the server would have taken the frame for garbage and dropped the connection."""
-    srv = make_server("--capacity", "8MiB", "--max-frame-size", "64KiB")
-    keys = [key(i, "too-large") for i in range(3)]
-    blocks = [b"a" * 30_000, b"b" * 100_000, b"c" * 30_000]
-    async with AsyncKVClient(srv.addr, namespace="p") as kv:
-        with pytest.raises(TooLarge, match="100000 bytes") as info:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("size, flag", [(100_000, "--max-frame-size"), (50_000, "--max-block")])
+async def test_a_block_over_the_servers_limits_fails_alone_and_costs_no_connection(
+        make_server: MakeServer, unix_path: str, transport: str, size: int, flag: str) -> None:
+    """One block bigger than a request may carry (--max-frame-size, over the socket) or than a block
+    may be (--max-block) fails with TooLarge naming the limit, its key only. Over the frame limit
+    the server would take the frame for garbage and drop the connection; over --max-block it
+    refused the whole batch, naming that block's size in every key's error. Shared memory has no
+    frame to outgrow: there only --max-block counts."""
+    block_limit = ("--max-block", "40KiB") if flag == "--max-block" else ()
+    srv = make_server("--capacity", "8MiB", "--max-frame-size", "64KiB", *block_limit, "--unix", unix_path)
+    keys = [key(i, f"too-large-{size}-{transport}") for i in range(3)]
+    blocks = [b"a" * 30_000, b"b" * size, b"c" * 30_000]
+    async with AsyncKVClient(srv.addr if transport == "tcp" else f"unix:{unix_path}", namespace="p") as kv:
+        assert (kv.nodes[0].shm is not None) == (transport == "shm")
+        if transport == "shm" and flag == "--max-frame-size":
+            assert (await kv.put(keys, blocks)).statuses == ["stored"] * 3
+            assert [bytes(b) for b in await kv.get(keys)] == blocks
+            return
+        with pytest.raises(TooLarge, match=f"{size} bytes.*{flag}") as info:
             await kv.put(keys, blocks)
         result: Any = info.value.result  # type: ignore[attr-defined]
         assert result.statuses == ["stored", "failed", "stored"] and set(result.errors) == {1}
         assert await kv.exists(keys) == [True, False, True]
-        stats = await kv.stats()
-        assert not stats["errors"] and stats["connections_total"] == 1
+        stats = await kv.stats()  # (shm: a second connection maps the arena)
+        assert stats["connections_total"] == (1 if transport == "tcp" else 2) and not stats["errors"]

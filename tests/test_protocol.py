@@ -149,12 +149,10 @@ def test_replies_and_errors_parse_on_the_client_side() -> None:
         (Hello(namespace=""), InvalidRequest),
         (Put(keys=[b"k"], sizes=[-1]), InvalidRequest),
         (Put(keys=[b"k", b"j"], sizes=[1]), InvalidRequest),
-        (Put(keys=[b"k"], sizes=[(1 << 20) + 1]), TooLarge),  # over --max-block
-        (ShmPut(keys=[b"k"], sizes=[(1 << 20) + 1]), TooLarge),
     ],
 )
 def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
-    reader = FrameReader(Limits(max_batch=16, max_block=1 << 20))
+    reader = FrameReader(Limits(max_batch=16))
     (frame,) = events(reader, wire(encode(msg, 3)))
     assert frame.msg is None and isinstance(frame.error, exc)
 
