@@ -688,6 +688,7 @@ class AsyncKVClient:
 
     async def ping(self) -> float:
         """Round-trip time in seconds (the slowest server's, when several)."""
+
         async def one(node: _Node) -> float:
             t0 = time.perf_counter()  # (not loop.time(): uvloop's moves in whole milliseconds)
             await node.call(Ping())
