@@ -32,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import struct
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import xxhash
 from redis.asyncio import Redis
@@ -78,6 +79,7 @@ _BATCH_BYTES = 32 << 20  # ... and bytes at most; sized to a quarter of --redis-
 # batch went (a failed one halves it), so a link too slow for 32 MiB per timeout still drains
 _BULK_LEN = 512 << 20  # Redis's default proto-max-bulk-len: it drops a client that sends a longer value
 _PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
+_CLUSTER_FORMS = "host:port[,host:port...] or redis[s]://[[user]:password@]host:port[,host:port...]"
 
 
 def ns_part(ns: str) -> str:
@@ -123,19 +125,35 @@ def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for logs and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """``url`` with ``***`` for its password, for logs, stats and errors.
+
+    Everything between ``://`` and the last ``@`` but a ``user:`` is masked, so a password whose
+    ``/``, ``?`` or ``@`` breaks the URL's syntax does not show either; so is a ``?password=`` option.
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if sep and at:
+        user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""  # no ':': all of it may be a password
+        url = f"{scheme}://{user}***@{hosts}"
+    return re.sub(r"([?&][^=&#]*password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+
+
+def _masked(message: str, url: str) -> str:
+    """A parser's ``message`` about ``url`` with any piece of its password masked: a password
+    holding an unencoded ``/`` or ``?`` breaks the URL there, and the error quotes the pieces."""
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    secret = userinfo.partition(":")[2] if ":" in userinfo else userinfo
+    for piece in sorted(filter(None, re.split(r"[/?#@:]", secret)), key=len, reverse=True):
+        message = message.replace(piece, "***")
+    return message
 
 
 def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
     """``"h1:p1,h2:p2"`` -> ``[("h1", p1), ("h2", p2)]``; raises ``ValueError``."""
     nodes = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        if "@" in item or "/" in item:  # a URL gone wrong: not quoted, it may hold a password
+            raise ValueError(f"--redis-cluster wants {_CLUSTER_FORMS}")
         host, sep, port = item.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"--redis-cluster wants host:port[,host:port...], got {item!r}")
@@ -143,6 +161,34 @@ def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
     if not nodes:
         raise ValueError("--redis-cluster names no node")
     return nodes
+
+
+def cluster_client(spec: str, **options: Any) -> tuple[RedisCluster, str]:
+    """The ``RedisCluster`` a ``--redis-cluster`` value names, and how logs and stats show it.
+
+    ``spec`` is a seed list, ``host:port[,host:port...]``, or a URL around one:
+    ``redis://[[user]:password@]host:port[,...]`` or ``rediss://`` (TLS), with redis-py's URL
+    options (``?ssl_ca_certs=...``) as ``--redis`` takes them. redis-py's ``from_url`` reads the
+    URL without its hosts (it knows one host only); the seeds become ``startup_nodes``. Raises
+    ``ValueError`` that shows the value redacted.
+    """
+    if "://" not in spec:
+        nodes = parse_cluster_nodes(spec)
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
+        return client, "cluster " + ",".join(f"{h}:{p}" for h, p in nodes)
+    shown = redact(spec)
+    scheme, _, rest = spec.partition("://")
+    userinfo, at, rest = rest.rpartition("@")  # as redact() splits it: no password in what follows
+    hosts, tail = re.match(r"([^/?#]*)(.*)", rest, re.DOTALL).groups()  # type: ignore[union-attr]
+    try:
+        if scheme not in ("redis", "rediss"):
+            raise ValueError("the scheme must be redis:// or rediss:// (TLS)")
+        nodes = parse_cluster_nodes(hosts)
+        client = RedisCluster.from_url(f"{scheme}://{userinfo}{at}{tail}",
+                                       startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
+    except (ValueError, TypeError, RedisClusterException) as exc:  # (TypeError: an option RedisCluster lacks)
+        raise ValueError(f"bad --redis-cluster value {shown!r}: {exc}") from None
+    return client, f"cluster {shown}"
 
 
 def _command_error(result: Any) -> bool:
@@ -327,14 +373,13 @@ class RedisTier(Tier):
         if config.redis:
             try:
                 client = Redis.from_url(config.redis, **timeouts)
-            except ValueError as exc:
-                raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {exc}") from None
+                pool = client.connection_pool  # an option Redis lacks (?foo=1) fails here, not at the first request
+                pool.connection_class(**pool.connection_kwargs)  # (builds a connection object; connects nothing)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {_masked(str(exc), config.redis)}") from None
             target = redact(config.redis)
         else:
-            nodes = parse_cluster_nodes(config.redis_cluster or "")
-            client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], max_connections=1024,
-                                  **timeouts)
-            target = "cluster " + ",".join(f"{h}:{p}" for h, p in nodes)
+            client, target = cluster_client(config.redis_cluster or "", max_connections=1024, **timeouts)
         return cls(client, target=target, mode=config.redis_mode, queue_bytes=config.redis_queue_bytes,
                    ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0),
                    timeout_s=config.redis_timeout)
@@ -438,7 +483,9 @@ class RedisTier(Tier):
             self._mark_up()
 
     def _unavailable(self) -> Unavailable:
-        return Unavailable(f"redis tier {self.target} is unavailable ({self._last_error}); retrying in the background")
+        # Says the request is lost, not pending: only the tier's reconnect runs in the background.
+        return Unavailable(f"redis tier {self.target} is unavailable ({self._last_error}): this request failed "
+                           "and is not retried (send it again later); the server reconnects to redis on its own")
 
     async def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run commands as one pipeline (one round trip per node).

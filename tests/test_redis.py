@@ -324,8 +324,11 @@ async def test_redis_down_and_back_under_running_servers(make_redis, make_server
         for kv in (a, b):  # memory keeps serving
             assert await kv.lookup(before) == 4
             assert payloads(await kv.get(before)) == [payload[k] for k in before]
-        with pytest.raises(Unavailable, match="redis"):
+        with pytest.raises(Unavailable, match="redis") as refused:
             await a.put(during, [payload[k] for k in during])  # write-through refuses clearly
+        # ... that this put is lost, not pending ("retrying in the background" read as "it will land")
+        assert "this request failed and is not retried" in str(refused.value)
+        assert "reconnects to redis on its own" in str(refused.value)
         assert await a.exists(during) == [False] * 4  # and keeps nothing unacknowledged
         assert (await b.put(during, [payload[k] for k in during])).stored == 4  # write-behind queues
         assert (await b.stats())["tier"]["backlog_blocks"] == 4

@@ -29,7 +29,8 @@ async def test_blocks_spread_over_every_master(redis_cluster: RedisClusterProces
     data = blocks(keys, 10_000)
     async with AsyncKVClient(srv.addr, namespace="spread/bf16/tp0") as kv:
         assert (await kv.put(keys, data)).stored == 48
-        assert (await kv.stats())["tier"]["backend"] == "redis-cluster"
+        tier = (await kv.stats())["tier"]
+        assert tier["backend"] == "redis-cluster" and tier["target"] == "cluster " + redis_cluster.spec  # (no URL)
     pattern = "kvstore:spread/bf16/tp0:*"
     per_node = [len(node.cli("--scan", "--pattern", pattern).split()) for node in redis_cluster.nodes]
     assert all(n > 0 for n in per_node) and sum(per_node) == 48  # every master holds some of one namespace
