@@ -67,7 +67,7 @@ class ServerConfig:
     busy_poll_us: int = 200  # keep polling this long after a request instead of sleeping (server/poll.py); 0 = off
     # Backing tier (kvstore.server.redis_tier): at most one of redis / redis_cluster.
     redis: str | None = None  # redis://[:password@]host:port/db or rediss://...
-    redis_cluster: str | None = None  # "host:port,host:port" (startup nodes of a Redis Cluster)
+    redis_cluster: str | None = None  # "host:port,..." or "redis[s]://[[user]:password@]host:port,..." (cluster seeds)
     redis_mode: str = "write-through"  # or "write-behind"
     redis_queue_bytes: int = 256 << 20  # write-behind queue bound; puts wait while it is full
     redis_ttl: int = 0  # seconds until a stored block expires in Redis; 0 = never
