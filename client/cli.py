@@ -13,13 +13,14 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence, TextIO
 
 from kvstore import __version__
-from kvstore.config import format_size, parse_bool
+from kvstore.config import format_size, parse_bool, parse_number
 from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
@@ -33,6 +34,10 @@ ENV = "KVSTORE_"
 
 class UsageError(Exception):
     """Bad input caught before talking to the server (exit code 2)."""
+
+
+class Failure(Exception):
+    """A failure found before talking to the server, e.g. an unreadable file (exit code 1)."""
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -50,10 +55,25 @@ def _env(name: str, default: Any = None, convert: Callable[[str], Any] | None = 
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
-    return value
+    return parse_number(text, float, lambda v: v > 0, "a number of seconds > 0")
+
+
+def _interval(text: str) -> float:
+    return parse_number(text, float, lambda v: v >= 0, "a number of seconds >= 0")
+
+
+def _count(text: str) -> int:
+    return parse_number(text, int, lambda v: v >= 1, "a whole number >= 1")
+
+
+def _lines(text: str) -> int:
+    return parse_number(text, int, lambda v: v >= 0, "a whole number >= 0 (0: never stop)")
+
+
+def _namespace(text: str) -> str:
+    if not 1 <= len(text) <= 256:  # what HELLO accepts (kvstore/messages.py)
+        raise argparse.ArgumentTypeError(f"expected a namespace of 1..256 characters, got {text!r}")
+    return text
 
 
 def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -68,7 +88,7 @@ def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
     g = p.add_argument_group("connection (each also KVSTORE_<NAME>)")
     g.add_argument("--addr", default=default(_env("ADDR", "127.0.0.1:7600")),
                    help="server host:port [KVSTORE_ADDR, default 127.0.0.1:7600]")
-    g.add_argument("--namespace", "-n", default=default(_env("NAMESPACE", "default")),
+    g.add_argument("--namespace", "-n", type=_namespace, default=default(_env("NAMESPACE", "default", _namespace)),
                    help="namespace to work in [KVSTORE_NAMESPACE, default 'default']")
     g.add_argument("--token-file", default=default(_env("TOKEN_FILE")),
                    help="file holding the token (first non-comment line) [KVSTORE_TOKEN_FILE]")
@@ -82,11 +102,22 @@ def _add_connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
                    help="seconds to wait for a connection or a reply [KVSTORE_TIMEOUT, default 10]")
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: an option it does not know is its error, shown with its usage (argparse
+    would hand it back to the top-level parser, whose usage does not list the command's options)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Inspect and debug a kvstore server.")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _add_connection_options(p, suppress=False)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
@@ -98,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("namespaces", "blocks and bytes per namespace").add_argument(
         "--json", action="store_true", help="as JSON")
     sp = command("ping", "round-trip time")
-    sp.add_argument("--count", "-c", type=int, default=1, help="pings to send (default 1)")
+    sp.add_argument("--count", "-c", type=_count, default=1, help="pings to send (default 1)")
     sp = command("get", "fetch one block by hex key")
     sp.add_argument("key", help="the key in hex")
     sp.add_argument("--output", "-o", help="write the block here instead of stdout")
@@ -112,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("flush", "delete every block of a namespace (asks first)")
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask")
     sp = command("watch", "live statistics, one line per interval")
-    sp.add_argument("--interval", "-i", type=float, default=2.0, help="seconds between lines (default 2)")
-    sp.add_argument("--count", "-c", type=int, default=0, help="stop after this many lines (default: never)")
+    sp.add_argument("--interval", "-i", type=_interval, default=2.0, help="seconds between lines (default 2)")
+    sp.add_argument("--count", "-c", type=_lines, default=0, help="stop after this many lines (default: never)")
     return p
 
 
@@ -124,7 +155,9 @@ def parse_key(text: str) -> bytes:
     try:
         key = bytes.fromhex(cleaned)
     except ValueError:
-        raise UsageError(f"not a hex key: {shown!r}") from None
+        odd = len(cleaned) % 2 and all(c in "0123456789abcdefABCDEF" for c in cleaned)
+        why = f" ({len(cleaned)} hex digits, an odd number: each byte takes two)" if odd else ""
+        raise UsageError(f"not a hex key: {shown!r}{why}") from None
     try:
         check_key(key)
     except InvalidRequest as exc:
@@ -146,8 +179,17 @@ def read_token(path: str | None) -> str | None:
     raise UsageError(f"{path} holds no token")
 
 
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | bool | None:
+    if not args.tls_ca:
+        return True if args.tls else None
+    try:  # (here, not in the client: its error would read as one of --addr's below)
+        return ssl.create_default_context(cafile=args.tls_ca)
+    except (OSError, ssl.SSLError) as exc:  # (ssl's FileNotFoundError names no file)
+        raise Failure(f"--tls-ca {args.tls_ca}: cannot load it as a CA file ({exc.strerror or exc})") from None
+
+
 def make_client(args: argparse.Namespace) -> AsyncKVClient:
-    tls: Any = args.tls_ca or (True if args.tls else None)
+    tls = _tls(args)
     token = read_token(args.token_file)
     try:
         return AsyncKVClient(args.addr, namespace=args.namespace, token=token, tls=tls,
@@ -265,7 +307,7 @@ async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> 
                                      limits=kv.limits, timeout=kv.connect_timeout,
                                      server_hostname=kv.server_hostname or node.host, unix=node.unix, hello=False)
     try:
-        for i in range(max(1, args.count)):
+        for i in range(args.count):
             if i:
                 await asyncio.sleep(0.2)
             if conn is None:
@@ -392,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_run(args))
     except UsageError as exc:
         return _fail(str(exc), 2)
+    except Failure as exc:
+        return _fail(str(exc))
     except KVStoreError as exc:
         return _fail(_explain(exc))
     except BrokenPipeError:  # `kvstore-cli stats | head`: the reader has what it wanted

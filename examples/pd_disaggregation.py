@@ -2,7 +2,8 @@
 
 A prefill process computes a prompt's KV cache and stores *all* of it (``do_remote_decode``);
 a decode process -- another OS process, possibly another host -- finds the chain in the store,
-loads it into its own paged cache and generates. Its tokens equal a single process doing both.
+loads it into its own paged cache and generates. Its tokens equal those of ``local``: the
+reference, which never contacts the server and computes every prompt itself, in one process.
 
     kvstore-server &
     python examples/pd_disaggregation.py prefill --prompt "The quick brown fox jumps over"
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from kvstore.engine.hashing import BlockHasher, namespace_for
 from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
 from kvstore.engine.transfer import PagedKVTransfer, TransferExecutor
+from kvstore.errors import TransportError
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,10 @@ class Engine:
         return bool(done.failed)
 
 
+class NoServer(Exception):
+    """No kvstore server answered at the address."""
+
+
 def run(mode: str, prompts: list[str], max_tokens: int, server: str | None,
         cfg: Config | None = None) -> list[dict[str, Any]]:
     """Runs each prompt in a fresh engine; ``server`` is unused in ``local`` mode."""
@@ -194,7 +200,11 @@ def run(mode: str, prompts: list[str], max_tokens: int, server: str | None,
         from kvstore.client import KVClient
 
         client = KVClient(server or "127.0.0.1:7600", namespace=namespace(cfg))
-        client.connect()
+        try:
+            client.connect()
+        except TransportError as exc:
+            client.close()
+            raise NoServer(f"no kvstore server answered at {server or '127.0.0.1:7600'} ({exc})") from None
     try:
         for text in prompts:
             engine = Engine(model, client)
@@ -211,13 +221,20 @@ def run(mode: str, prompts: list[str], max_tokens: int, server: str | None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["prefill", "decode", "local"])
+    parser.add_argument("mode", choices=["prefill", "decode", "local"],
+                        help="prefill: compute and store; decode: load and generate; local: the reference, no server")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--server", default="127.0.0.1:7600", help="kvstore-server host:port")
     args = parser.parse_args(argv)
     failed = 0
-    for res in run(args.mode, args.prompt, args.max_tokens, args.server):
+    try:
+        results = run(args.mode, args.prompt, args.max_tokens, args.server)
+    except NoServer as exc:
+        print(f"{args.mode}: {exc}; start one (`kvstore-server &` serves 127.0.0.1:7600) or give its "
+              f"address with --server HOST:PORT", file=sys.stderr)
+        return 1
+    for res in results:
         print(json.dumps(res), flush=True)
         print(f"{res['mode']}: {res['prompt']!r}: loaded {res['loaded_tokens']} tokens, computed "
               f"{res['computed_tokens']}, offloaded {res['offloaded_blocks']} blocks, "

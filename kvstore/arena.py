@@ -48,7 +48,7 @@ Extent = tuple[tuple[int, int], ...]
 def _map_region(size: int, prefault: bool) -> mmap.mmap:
     """Map ``size`` bytes of private anonymous memory, faulted in when asked.
 
-    MAP_POPULATE faults the whole region in one system call (~0.6 s per GiB here);
+    MAP_POPULATE faults the whole region in one system call (0.3-3 s per GiB, by machine);
     transparent huge pages were measured slower to set up on this class of VM.
     """
     anonymous = getattr(mmap, "MAP_ANONYMOUS", None)

@@ -6,11 +6,15 @@ variable (see :mod:`kvstore.server.cli`); new features add a field here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from .protocol import Limits
+
+T = TypeVar("T")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -39,6 +43,20 @@ def parse_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {text!r}")
+
+
+def parse_number(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
+    """``kind(text)`` when ``ok`` accepts it, else ``argparse.ArgumentTypeError`` saying what was
+    expected (both CLIs' converters: one that lets ValueError out makes argparse print its own
+    function's name, ``invalid _port value``). NaN fails every comparison, so no check lets it in."""
+    try:
+        value = kind(text)
+    except ValueError:
+        pass
+    else:
+        if ok(value):
+            return value
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
 
 
 def format_size(n: float) -> str:

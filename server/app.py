@@ -7,16 +7,19 @@ request does is :mod:`.service`, how its bytes move is :mod:`.connection`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
+import ssl
 import weakref
 from typing import Any
 
 from kvstore.config import ServerConfig, format_size
 from kvstore.store import BlockStore
 
-from .auth import server_tls_context, warn_if_exposed
+from .auth import TokenTable, server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
 from .redis_tier import RedisTier
@@ -26,8 +29,52 @@ from .shm import bind_unix_listener, remove_unix_listener
 log = logging.getLogger(__name__)
 
 
+class StartupError(Exception):
+    """The server cannot start as configured; the message names the flag and the file or address at fault."""
+
+
+def _reason(exc: OSError) -> str:
+    """The OS's reason alone: the caller names the file or address (asyncio's bind error repeats it)."""
+    if exc.errno and exc.errno > 0 and not isinstance(exc, (ssl.SSLError, socket.gaierror)):
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc)
+
+
+def _check_token_file(path: str | None) -> None:
+    """Read the token file once before the arena is pre-faulted, so a bad one fails at once and by name
+    (the service reads it again)."""
+    if not path:
+        return
+    try:
+        TokenTable.load(path)
+    except OSError as exc:
+        raise StartupError(f"--token-file {path}: {_reason(exc)}") from None
+    except ValueError as exc:  # no token, a bad line (its message starts with the path), not UTF-8
+        where = "" if str(exc).startswith(path) else f"{path}: "
+        raise StartupError(f"--token-file {where}{exc}") from None
+
+
+def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The TLS context; load_cert_chain's errors name neither file, so each is opened first."""
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        if path:
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise StartupError(f"{flag} {path}: {_reason(exc)}") from None
+    try:
+        return server_tls_context(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        raise StartupError(f"--tls-cert {config.tls_cert} --tls-key {config.tls_key}: not a PEM certificate "
+                           f"chain and its private key ({exc.reason or exc})") from None
+
+
 def _make_store(config: ServerConfig) -> BlockStore:
     """The block store; its arena is a shareable memfd when shm will be offered on a Unix socket."""
+    if config.prefault and config.page_size > 0:  # (the arena's size: whole pages, at least one)
+        size = max(1, config.capacity // config.page_size) * config.page_size
+        log.info("pre-faulting %s of block memory (--capacity); the server listens when done", format_size(size))
+
     def make(shared: bool) -> BlockStore:
         return BlockStore(config.capacity, eviction=config.eviction, page_size=config.page_size,
                           lease_s=config.lease_seconds, prefault=config.prefault, shared_arena=shared,
@@ -45,11 +92,18 @@ def _make_store(config: ServerConfig) -> BlockStore:
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = _make_store(config)
-        self.tier = RedisTier.from_config(config)  # None: memory only
+        # the files and the Redis URL first: a bad one fails now, not after seconds of pre-faulting the arena
+        _check_token_file(config.token_file)
+        self.tls = _tls_context(config)
+        self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
+        try:
+            self.store = _make_store(config)
+        except (OSError, MemoryError) as exc:
+            reason = _reason(exc) if isinstance(exc, OSError) else "out of memory"
+            raise StartupError(f"--capacity {format_size(config.capacity)}: cannot map the block memory: "
+                               f"{reason}") from None
         self.service = Service(self.store, config, self.tier)
         self.limits = config.limits()
-        self.tls = server_tls_context(config.tls_cert, config.tls_key)
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -77,9 +131,15 @@ class Server:
         self._stopping = asyncio.Event()
         if self.tier is not None:
             await self.tier.start()  # a Redis that is down only makes it start degraded
-        srv = await loop.create_server(self._new_connection, self.config.host, self.config.port,
-                                       reuse_address=True, backlog=1024, ssl=self.tls,
-                                       ssl_handshake_timeout=(self.config.frame_timeout or None) if self.tls else None)
+        host, port = self.config.host, self.config.port
+        handshake_timeout = (self.config.frame_timeout or None) if self.tls else None
+        try:
+            srv = await loop.create_server(self._new_connection, host, port, reuse_address=True, backlog=1024,
+                                           ssl=self.tls, ssl_handshake_timeout=handshake_timeout)
+        except OSError as exc:  # an unknown or foreign host is --host's fault, the rest --port's
+            flag = f"--host {host}" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
+                else f"--port {port}"
+            raise StartupError(f"{flag}: cannot listen on {host}:{port}: {_reason(exc)}") from None
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
         await self._start_unix()
@@ -96,7 +156,11 @@ class Server:
         path = self.config.unix
         if not path:
             return
-        sock = bind_unix_listener(path)
+        try:
+            sock = bind_unix_listener(path)
+        except OSError as exc:  # (its messages name --unix and the path, but for a few)
+            raise StartupError(exc.strerror if (exc.strerror or "").startswith("--unix") else
+                               f"--unix {path}: {_reason(exc)}") from None
         self._unix_inode = os.stat(path).st_ino
         try:
             srv = await asyncio.get_running_loop().create_unix_server(self._new_connection, sock=sock, backlog=1024)
@@ -116,7 +180,8 @@ class Server:
         try:
             port = await self.metrics.start()
         except OSError as exc:
-            raise OSError(exc.errno, f"--metrics-port {self.config.metrics_port}: {exc.strerror or exc}") from None
+            raise StartupError(f"--metrics-port {self.config.metrics_port}: cannot listen on "
+                               f"{self.config.host}:{self.config.metrics_port}: {_reason(exc)}") from None
         log.info("metrics served at http://%s:%d/metrics (health: /healthz, /livez)", self.config.host, port,
                  extra={"event": "metrics_started", "metrics_port": port})
 

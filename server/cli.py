@@ -12,10 +12,10 @@ import sys
 from typing import Any, Callable, Sequence
 
 from kvstore import __version__
-from kvstore.config import ServerConfig, parse_bool, parse_size
+from kvstore.config import ServerConfig, parse_bool, parse_number, parse_size
 from kvstore.eviction import POLICIES
 
-from .app import Server
+from .app import Server, StartupError
 from .logs import setup_logging
 
 ENV_PREFIX = "KVSTORE_"
@@ -44,34 +44,33 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _size_text(n: int) -> str:
+    """A byte count as --capacity takes it: 1073741824 -> ``1GiB``, 65536 -> ``64KiB``; others as they are."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:  # --port 99999 used to start a server, listening on some other port
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
-    return port
+    # --port 99999 used to start a server, listening on some other port
+    return parse_number(text, int, lambda v: 0 <= v <= 65535, "a port number 0-65535")
 
 
 def _optional_port(text: str) -> int | None:
     """A TCP port, or None for ``off``/empty (the listener is not started)."""
     if text.strip().lower() in ("", "off", "none"):
         return None
-    return _port(text)
+    return parse_number(text, int, lambda v: 0 <= v <= 65535, "a port number 0-65535 or 'off'")
 
 
 def _count(text: str) -> int:
-    """An integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"not an integer >= 0: {text!r}")
-    return value
+    return parse_number(text, int, lambda v: v >= 0, "a whole number >= 0")
 
 
 def _poll_window(text: str) -> int:
     """Microseconds of busy polling: 0 (off) up to 10 ms; a longer window only burns a core longer."""
-    value = _count(text)
-    if value > 10_000:
-        raise argparse.ArgumentTypeError(f"at most 10000 microseconds, got {text!r}")
-    return value
+    return parse_number(text, int, lambda v: 0 <= v <= 10_000, "microseconds 0-10000 (0 = off)")
 
 
 def _policy(text: str) -> str:
@@ -81,24 +80,16 @@ def _policy(text: str) -> str:
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {text!r}")
-    return value
+    return parse_number(text, float, lambda v: v >= 0, "a number of seconds >= 0")
 
 
 def _lease(text: str) -> float:
-    value = _seconds(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
-    return value
+    return parse_number(text, float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
 
 
 def _timeout(text: str) -> float:
-    value = _seconds(text)
-    if value == 0:  # a socket timeout of 0 is a non-blocking socket: every Redis call would fail
-        raise argparse.ArgumentTypeError(f"not a timeout > 0: {text!r}")
-    return value
+    # a socket timeout of 0 is a non-blocking socket: every Redis call would fail
+    return parse_number(text, float, lambda v: v > 0, "a number of seconds > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
         env_default = _env_default(p, dest, default, convert, kw.get("choices"))
+        shown = _size_text(default) if convert is _size else default
         p.add_argument(flag, dest=dest, type=convert, default=env_default,
-                       help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {default}]", **kw)
+                       help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {shown}]", **kw)
 
     add("--host", str, d.host, "address to bind")
     add("--port", _port, d.port, "TCP port (0 = any free port)")
@@ -179,16 +171,18 @@ def _run(coro: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(argv)
     setup_logging(config.log_level, config.log_format)
+    # A setting that cannot work (a file, an address, the memory) exits 2, as a bad flag does;
+    # a StartupError's message names the flag and the value.
     try:
         server = Server(config)
-    except (ValueError, OSError, MemoryError) as exc:
+    except (StartupError, ValueError, OSError, MemoryError) as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 2
     try:
         _run(server.serve_forever())
-    except OSError as exc:
-        print(f"kvstore-server: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    except StartupError as exc:  # a listener
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,208 @@
+"""What the server and kvstore-cli say when they cannot start or are used wrong: one line that
+names the flag (or variable) and the value at fault, with the documented exit code."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvstore.server.process import ServerProcess
+
+BIN = Path(sys.executable).parent
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pd_disaggregation.py"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}, **extra}
+
+
+def server_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kvstore-server ARGS`` that must fail at start (one that starts anyway is killed by the timeout)."""
+    cmd = [str(BIN / "kvstore-server"), "--host", "127.0.0.1", "--port", "0", "--capacity", "1MiB", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=clean_env(**(env or {})))
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "kvstore-cli"), *args], capture_output=True, text=True, timeout=30,
+                          env=clean_env(**(env or {})), stdin=subprocess.DEVNULL)
+
+
+def error_line(r: subprocess.CompletedProcess[str], prog: str) -> str:
+    """The one line the program printed (apart from info log lines), no traceback."""
+    lines = [line for line in r.stderr.splitlines() if " level=info " not in line]
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"{prog}: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port someone else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def dead_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+# ---------------------------------------------------------------- kvstore-server start-up
+
+
+def test_a_port_in_use_names_the_flag_and_address_and_exits_2(taken_port: int) -> None:
+    r = server_run("--port", str(taken_port))
+    assert r.returncode == 2  # (was 1, while every other setting that cannot work is 2)
+    assert error_line(r, "kvstore-server") == \
+        f"kvstore-server: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
+
+
+def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int) -> None:
+    r = server_run("--metrics-port", str(taken_port))
+    # (was "cannot listen on 127.0.0.1:0: --metrics-port P: error while attempting to bind on address ...")
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == (f"kvstore-server: --metrics-port {taken_port}: cannot listen on "
+                                               f"127.0.0.1:{taken_port}: Address already in use")
+
+
+def test_a_unix_socket_in_a_missing_folder_does_not_blame_the_tcp_address(tmp_path: Path) -> None:
+    path = tmp_path / "no-such-dir" / "kv.sock"
+    r = server_run("--unix", str(path))
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == \
+        f"kvstore-server: --unix {path}: No such file or directory (its folder must exist and be writable)"
+
+
+def test_missing_tls_files_are_named_with_their_flag(tmp_path: Path, tls_files: dict[str, Path]) -> None:
+    missing = tmp_path / "nope.pem"
+    r = server_run("--tls-cert", str(missing), "--tls-key", str(missing))
+    assert r.returncode == 2  # (was "[Errno 2] No such file or directory", naming no file)
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --tls-cert {missing}: No such file or directory"
+    r = server_run("--tls-cert", str(tls_files["cert"]), "--tls-key", str(missing))
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --tls-key {missing}: No such file or directory"
+    r = server_run("--tls-cert", str(tls_files["ca"]), "--tls-key", str(tls_files["key"]))  # not its key
+    assert r.returncode == 2 and "--tls-cert" in error_line(r, "kvstore-server") and "--tls-key" in r.stderr
+
+
+def test_a_missing_token_file_is_named_with_its_flag_before_the_arena_is_faulted(tmp_path: Path) -> None:
+    missing = tmp_path / "tokens"
+    r = server_run("--token-file", str(missing))
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
+    assert "pre-faulting" not in r.stderr  # checked first: a typo costs no seconds of pre-faulting
+    empty = tmp_path / "empty"
+    empty.write_text("# no token yet\n")
+    r = server_run("--token-file", str(empty))
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {empty}: the token file holds no token"
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--metrics-port", "abc", "a port number 0-65535 or 'off'"),
+    ("--port", "http", "a port number 0-65535"),
+    ("--max-connections", "many", "a whole number >= 0"),
+    ("--redis-ttl", "1.5", "a whole number >= 0"),
+    ("--busy-poll-us", "fast", "microseconds 0-10000 (0 = off)"),
+    ("--idle-timeout", "5m", "a number of seconds >= 0"),
+    ("--lease-seconds", "x", "a number of seconds > 0"),
+    ("--redis-timeout", "x", "a number of seconds > 0"),
+])
+def test_server_flag_errors_say_what_was_expected(flag: str, value: str, expected: str) -> None:
+    r = server_run(flag, value)
+    assert r.returncode == 2
+    # (was "invalid _optional_port value: 'abc'": argparse shows the converter's function name)
+    assert f"kvstore-server: error: argument {flag}: expected {expected}, got '{value}'" in r.stderr, r.stderr
+    env = "KVSTORE_" + flag[2:].upper().replace("-", "_")
+    r = server_run(env={env: value})
+    assert f"kvstore-server: error: bad {env}='{value}': expected {expected}, got '{value}'" in r.stderr, r.stderr
+
+
+def test_server_help_shows_sizes_as_the_flags_take_them() -> None:
+    out = subprocess.run([str(BIN / "kvstore-server"), "--help"], capture_output=True, text=True, timeout=20,
+                         env=clean_env(COLUMNS="200")).stdout
+    assert "KVSTORE_CAPACITY, default 1GiB]" in out and "KVSTORE_PAGE_SIZE, default 64KiB]" in out
+    assert "1073741824" not in out
+
+
+def test_the_server_says_it_is_pre_faulting_before_it_listens() -> None:
+    with ServerProcess("--capacity", "8MiB", "--page-size", "1MiB") as srv:
+        lines = list(srv.log)
+    faulting = [i for i, line in enumerate(lines) if "pre-faulting 8.0 MiB of block memory" in line]
+    listening = [i for i, line in enumerate(lines) if "listening on" in line]
+    assert faulting and listening and faulting[0] < listening[0], lines
+    assert "the server listens when done" in lines[faulting[0]]
+
+
+# ---------------------------------------------------------------- kvstore-cli
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--timeout", "abc", "ping"), "argument --timeout: expected a number of seconds > 0, got 'abc'"),
+    (("ping", "-c", "0"), "argument --count/-c: expected a whole number >= 1, got '0'"),  # (pinged once)
+    (("ping", "-c", "x"), "argument --count/-c: expected a whole number >= 1, got 'x'"),
+    (("watch", "-i", "-1"), "argument --interval/-i: expected a number of seconds >= 0, got '-1'"),
+    (("-n", "", "stats"), "argument --namespace/-n: expected a namespace of 1..256 characters, got ''"),
+])
+def test_cli_flag_errors_say_what_was_expected(args: tuple[str, ...], expected: str) -> None:
+    r = cli("--addr", dead_addr(), *args)
+    assert r.returncode == 2 and expected in r.stderr, r.stderr
+
+
+def test_an_empty_namespace_is_a_usage_error_against_a_live_server(server: ServerProcess) -> None:
+    r = cli("--addr", server.addr, "-n", "", "stats")
+    assert r.returncode == 2 and "--namespace" in r.stderr, r.stderr  # (was exit 1, InvalidRequest from HELLO)
+    r = cli("--addr", server.addr, "stats", env={"KVSTORE_NAMESPACE": "n" * 257})
+    assert r.returncode == 2 and "bad KVSTORE_NAMESPACE=" in error_line(r, "kvstore-cli")
+    r = cli("--addr", server.addr, "ping", "-c", "0")
+    assert r.returncode == 2 and "PONG" not in r.stdout
+
+
+def test_a_bad_cli_environment_value_names_the_variable_not_python() -> None:
+    r = cli("ping", env={"KVSTORE_ADDR": dead_addr(), "KVSTORE_TIMEOUT": "abc"})
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-cli") == \
+        "kvstore-cli: bad KVSTORE_TIMEOUT='abc': expected a number of seconds > 0, got 'abc'"
+
+
+def test_an_unknown_option_after_the_command_shows_the_commands_usage() -> None:
+    r = cli("--addr", dead_addr(), "stats", "--bogus")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: kvstore-cli stats ") and "--json" in r.stderr, r.stderr
+    assert r.stderr.strip().endswith("kvstore-cli stats: error: unrecognized arguments: --bogus"), r.stderr
+
+
+def test_a_key_with_an_odd_number_of_digits_says_so() -> None:
+    r = cli("--addr", dead_addr(), "get", "001")
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-cli") == "kvstore-cli: not a hex key: '001' (3 hex digits, an odd number: each byte takes two)"
+    r = cli("--addr", dead_addr(), "get", "0g")
+    assert error_line(r, "kvstore-cli") == "kvstore-cli: not a hex key: '0g'"  # not hex at all: nothing to add
+
+
+def test_a_missing_ca_file_is_named_with_its_flag(tmp_path: Path) -> None:
+    missing = tmp_path / "ca.pem"
+    r = cli("--addr", dead_addr(), "--tls-ca", str(missing), "ping")
+    assert r.returncode == 1
+    assert error_line(r, "kvstore-cli") == \
+        f"kvstore-cli: --tls-ca {missing}: cannot load it as a CA file (No such file or directory)"
+
+
+# ---------------------------------------------------------------- examples/pd_disaggregation.py
+
+
+def test_the_pd_example_without_a_server_says_so_in_one_line() -> None:
+    pytest.importorskip("torch")
+    addr = dead_addr()
+    r = subprocess.run([sys.executable, str(EXAMPLE), "decode", "--server", addr, "--prompt", "hello"],
+                       capture_output=True, text=True, timeout=120, env=clean_env())
+    assert r.returncode == 1 and r.stdout == ""
+    line = error_line(r, "decode")  # (was a 34-line traceback)
+    assert f"no kvstore server answered at {addr}" in line and "kvstore-server" in line and "--server" in line
