@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--drain-seconds", _seconds, d.drain_seconds, "how long SIGTERM waits for in-flight requests")
     add("--log-level", str.lower, d.log_level, "log level", choices=["debug", "info", "warning", "error"])
     add("--redis", str, d.redis, "back the store with Redis: redis://[:password@]host:port/db (or rediss://)")
-    add("--redis-cluster", str, d.redis_cluster, "back the store with a Redis Cluster: host:port[,host:port...]")
+    add("--redis-cluster", str, d.redis_cluster, "back the store with a Redis Cluster: host:port[,host:port...], or "
+        "redis://[[user]:password@]host:port[,host:port...] (rediss:// for TLS, e.g. ?ssl_ca_certs=FILE)")
     add("--redis-mode", str, d.redis_mode, "acknowledge puts after Redis has them, or after memory",
         choices=["write-through", "write-behind"])
     add("--redis-queue-bytes", _size, d.redis_queue_bytes, "write-behind queue bound (puts wait while full)")
