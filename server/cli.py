@@ -44,6 +44,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _page(text: str) -> int:
+    size = _size(text)
+    if size <= 0:  # (the arena's own error would name no flag)
+        raise argparse.ArgumentTypeError(f"expected a page size > 0, got {text!r}")
+    return size
+
+
 def _size_text(n: int) -> str:
     """A byte count as --capacity takes it: 1073741824 -> ``1GiB``, 65536 -> ``64KiB``; others as they are."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -103,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
         env_default = _env_default(p, dest, default, convert, kw.get("choices"))
-        shown = _size_text(default) if convert is _size else default
+        shown = _size_text(default) if convert in (_size, _page) else default
         p.add_argument(flag, dest=dest, type=convert, default=env_default,
                        help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {shown}]", **kw)
 
@@ -111,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", _port, d.port, "TCP port (0 = any free port)")
     add("--capacity", _size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
     add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
-    add("--page-size", _size, d.page_size, "allocation unit of the block arena")
+    add("--page-size", _page, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", _lease, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--max-lease-seconds", _lease, d.max_lease_seconds,
         "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted); "

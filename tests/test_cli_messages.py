@@ -114,6 +114,7 @@ def test_a_missing_token_file_is_named_with_its_flag_before_the_arena_is_faulted
     ("--idle-timeout", "5m", "a number of seconds >= 0"),
     ("--lease-seconds", "x", "a number of seconds > 0"),
     ("--redis-timeout", "x", "a number of seconds > 0"),
+    ("--page-size", "0", "a page size > 0"),  # (was the arena's "page_size must be a positive int": no flag)
 ])
 def test_server_flag_errors_say_what_was_expected(flag: str, value: str, expected: str) -> None:
     r = server_run(flag, value)
