@@ -211,6 +211,8 @@ class _Node:
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
+        self.hello_seen = False  # whether a HELLO reply told the limits (and arena) above
+        self.ready_failed = False  # whether ready()'s early attempt failed (it is not made again)
 
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
@@ -232,6 +234,17 @@ class _Node:
         ``--max-batch`` allows: a chain of a very long prompt can pass it (16,384 blocks by default)."""
         step = self.max_batch
         return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    async def ready(self) -> None:
+        """Before this server's first request: a connection, so that its HELLO's limits (and arena)
+        shape how the request is cut. If that fails, the request's own attempts follow; it is not
+        tried again (a server silent from the start costs only the first calls an extra wait)."""
+        if self.hello_seen or self.ready_failed:
+            return
+        try:  # (callers arriving together share the opens: each returns when one has)
+            await self.connection()
+        except KVStoreError:
+            self.ready_failed = True
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
@@ -285,6 +298,7 @@ class _Node:
                 for name in ("max_payload", "max_batch"):
                     if type(limits.get(name)) is int and limits[name] > 0:
                         setattr(self, name, min(getattr(c.limits, name), limits[name]))
+            self.hello_seen = True
             try:
                 async with self._attaching:
                     self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
@@ -493,6 +507,7 @@ class AsyncKVClient:
             return PutResult(0, 0, 0, [])
 
         async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None] | KVStoreError]:
+            await node.ready()
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             share, blocks = _pick(keys, idx), _pick(views, idx)
             sizes = list(map(len, blocks))
@@ -514,7 +529,7 @@ class AsyncKVClient:
             nbytes = sum(sizes)
             too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
-            if node.shm is not None and nbytes >= node.shm.inline_put_bytes:
+            if node.shm is not None and (nbytes >= node.shm.inline_put_bytes or too_large):
                 with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
                     return await node.shm.put(part_keys, blocks, before)
             if too_large:  # the server would drop the connection on its frame: say so here, for this key only
@@ -556,7 +571,10 @@ class AsyncKVClient:
         if not keys:
             return 0
 
+        pinned: list[tuple[_Node, list[bytes]]] = []  # (what to give back if the lookup fails)
+
         async def one(node: _Node, idx: Sequence[int]) -> int:
+            await node.ready()
             found = 0
             for run in node.key_runs(len(idx)):  # (a run starts where the one before found every key)
                 part = _pick(keys, idx[run.start:run.stop])
@@ -565,6 +583,8 @@ class AsyncKVClient:
                 if type(n) is not int or not 0 <= n <= len(part):
                     raise ProtocolError("malformed LOOKUP reply")
                 found += n
+                if pin and n:
+                    pinned.append((node, part[:n]))
                 granted = resp.fields.get("lease_ms")
                 if lease_ms and type(granted) is int and granted < lease_ms and not node.lease_cut_told:
                     node.lease_cut_told = True  # (once per server: an engine asks the same on every lookup)
@@ -575,17 +595,27 @@ class AsyncKVClient:
             return found
 
         first_missing = len(keys)
-        shares = await self._per_node(keys, one)
+        try:
+            shares = await self._per_node(keys, one)
+        except KVStoreError:  # the caller learns of no lease: give back those taken before the failure
+            await self._unpin_quietly(pinned)
+            raise
         for idx, n in shares:
             if n < len(idx):
                 first_missing = min(first_missing, idx[n])
         if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
-            beyond = [(node, [keys[i] for i in idx[:n] if i >= first_missing])
-                      for (node, _), (idx, n) in zip(self._groups(keys), shares)]
-            # (best effort: a lease not dropped expires with the server's lease time)
-            await asyncio.gather(*(node.call(Unpin(keys=extra), idempotent=False) for node, extra in beyond if extra),
-                                 return_exceptions=True)
+            await self._unpin_quietly([(node, [keys[i] for i in idx[:n] if i >= first_missing])
+                                       for (node, _), (idx, n) in zip(self._groups(keys), shares)])
         return first_missing
+
+    @staticmethod
+    async def _unpin_quietly(leases: list[tuple[_Node, list[bytes]]]) -> None:
+        """Drop leases, in runs the servers take; best effort: a lease not dropped ends with its time."""
+        async def drop(node: _Node, keys: list[bytes]) -> None:
+            for run in node.key_runs(len(keys)):
+                await node.call(Unpin(keys=keys[run.start:run.stop]), idempotent=False)
+
+        await asyncio.gather(*(drop(node, keys) for node, keys in leases if keys), return_exceptions=True)
 
     async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
         """The blocks, in key order; ``None`` where a key is missing.
@@ -623,6 +653,8 @@ class AsyncKVClient:
     async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
+        if not all(node.hello_seen or node.ready_failed for node in self.nodes):  # (a first call: parts follow the limits)
+            await asyncio.gather(*(node.ready() for node, _ in self._groups(keys)))
 
         async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
@@ -700,6 +732,7 @@ class AsyncKVClient:
 
     async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
         async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
+            await node.ready()
             out: list[bool] = []
             for run in node.key_runs(len(idx)):
                 resp = await node.call(make(_pick(keys, idx[run.start:run.stop])))
@@ -714,6 +747,7 @@ class AsyncKVClient:
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
         async def one(node: _Node, idx: Sequence[int]) -> int:
+            await node.ready()
             n = 0
             for run in node.key_runs(len(idx)):
                 resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent)
@@ -765,7 +799,7 @@ def _listed(items: Any, what: str) -> list[Any]:
                              f"(for one, pass [{what[:-1]}])")
     try:
         return list(items)
-    except TypeError:
+    except (TypeError, NotImplementedError):  # (NotImplementedError: a memoryview of 2 dimensions or more)
         raise InvalidRequest(f"{what} must be a sequence, not {type(items).__name__}") from None
 
 
@@ -798,8 +832,8 @@ def _ssl_context(tls: ssl.SSLContext | bool | str | None) -> ssl.SSLContext | No
         return ssl.create_default_context()
     try:
         return ssl.create_default_context(cafile=tls)
-    except (OSError, ssl.SSLError) as exc:  # (FileNotFoundError names no file)
-        raise InvalidRequest(f"tls={tls!r}: cannot load it as a CA file ({exc.strerror or exc})") from None
+    except (OSError, ssl.SSLError, TypeError) as exc:  # (FileNotFoundError names no file; TypeError: not a path)
+        raise InvalidRequest(f"tls={tls!r}: cannot load it as a CA file ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 __all__ = ["AsyncKVClient", "PutResult"]

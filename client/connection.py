@@ -273,7 +273,7 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
             raise TransportError(f"{where} did not answer HELLO within {timeout}s (is it a kvstore server?)") from None
         if isinstance(exc, TransportError) and tls is None and not unix:  # what a TLS server does with plain text
             raise TransportError(f"{where} closed the connection at HELLO (does it expect TLS? "
-                                 f"pass tls=True or a CA file)") from None
+                                 f"tls=True or a CA file; kvstore-cli: --tls or --tls-ca)") from None
         raise
     conn.hello = resp.fields
     return conn

@@ -112,6 +112,11 @@ class ServerConfig:
             return self.max_lease_seconds
         return max(600.0, self.lease_seconds)
 
+    def check(self) -> None:
+        """Refuse settings that contradict each other (ValueError naming the flags)."""
+        if self.lease_seconds > self.lease_cap():
+            raise ValueError(f"--lease-seconds {self.lease_seconds:g} is over --max-lease-seconds {self.lease_cap():g}")
+
     def limits(self) -> Limits:
         """The codec limits these settings ask for; the meta limit grows with the batch limit."""
         return Limits(max_meta=max(4 << 20, self.max_batch * 256), max_payload=self.max_frame_size,

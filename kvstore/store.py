@@ -46,6 +46,7 @@ from operator import attrgetter
 from typing import Any, TypedDict
 
 from .arena import Arena, Extent
+from .config import format_size
 from .errors import CapacityError, InvalidRequest, TooLarge
 from .keys import check_key, check_keys
 from .eviction import EvictionPolicy, make_policy
@@ -629,12 +630,13 @@ class BlockStore:
         self.expire_leases()  # expired leases pin nothing
         evictable = self._index_pages - self._pinned_pages
         if arena.free_pages + evictable < pages:
-            mib = arena.page_size / (1 << 20)  # (in MiB: what an operator sized --capacity in)
+            def size(n: int) -> str:  # pages, in bytes as --capacity is given
+                return format_size(n * arena.page_size)
+
             raise CapacityError(
-                f"no room for a block of {pages * mib:.2f} MiB in {arena.num_pages * mib:.2f} MiB: "
-                f"{arena.free_pages * mib:.2f} free, {evictable * mib:.2f} evictable, {self._pinned_pages * mib:.2f} "
-                f"pinned (leases, reads), {self._reserved_pages * mib:.2f} taken by puts being received "
-                f"(this batch's earlier blocks too)"
+                f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
+                f"{size(evictable)} evictable, {size(self._pinned_pages)} pinned (leases, reads), "
+                f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
             )
         while arena.free_pages < pages:
             pkey = self._policy.evict(self._is_protected)

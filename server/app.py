@@ -92,7 +92,8 @@ def _make_store(config: ServerConfig) -> BlockStore:
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        # the files and the Redis URL first: a bad one fails now, not after seconds of pre-faulting the arena
+        # the settings, files and Redis URL first: a bad one fails now, not after seconds of pre-faulting
+        config.check()
         _check_token_file(config.token_file)
         self.tls = _tls_context(config)
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)

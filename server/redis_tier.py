@@ -187,7 +187,7 @@ def cluster_client(spec: str, **options: Any) -> tuple[RedisCluster, str]:
         client = RedisCluster.from_url(f"{scheme}://{userinfo}{at}{tail}",
                                        startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
     except (ValueError, TypeError, RedisClusterException) as exc:  # (TypeError: an option RedisCluster lacks)
-        raise ValueError(f"bad --redis-cluster value {shown!r}: {exc}") from None
+        raise ValueError(f"bad --redis-cluster value {shown!r}: {_masked(str(exc), spec)}") from None
     return client, f"cluster {shown}"
 
 

@@ -230,9 +230,7 @@ class Service:
     """The request logic over a :class:`BlockStore`."""
 
     def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
-        if config.lease_seconds > config.lease_cap():
-            raise ValueError(f"--lease-seconds {config.lease_seconds:g} is over --max-lease-seconds "
-                             f"{config.lease_cap():g}")
+        config.check()
         self.store = store
         self.config = config
         self.tier = tier

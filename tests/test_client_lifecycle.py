@@ -113,11 +113,13 @@ def test_arguments_of_the_wrong_kind_raise_invalid_request(make_server: MakeServ
                            (lambda: kv.lookup(keys[0]), "keys"), (lambda: kv.get_into(keys, bytearray(1)), "buffers")):
             with pytest.raises(InvalidRequest, match=f"{what} must be a sequence of them, not one"):
                 call()
+        with pytest.raises(InvalidRequest, match="buffers must be a sequence"):  # (was NotImplementedError)
+            kv.get_into(keys, memoryview(bytearray(8)).cast("B", (2, 4)))
         # KVClient runs on uvloop, whose loop clock moves in whole milliseconds: ping() read 0.0
         assert all(kv.ping() > 0 for _ in range(5))
     for addr, settings in ((None, {}), (srv.addr, {"pool_size": "2"}), (srv.addr, {"timeout": -1}),
                            (srv.addr, {"timeout": 0}), (srv.addr, {"connect_timeout": float("nan")}),
-                           (srv.addr, {"retries": -1})):
+                           (srv.addr, {"retries": -1}), (srv.addr, {"tls": 5})):
         with pytest.raises(InvalidRequest):
             KVClient(addr, **settings)
 

@@ -10,12 +10,13 @@ import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient, PutResult
-from kvstore.errors import BlockSizeError, KVStoreError, RequestTimeout, TooLarge, TransportError
+from kvstore.errors import BlockSizeError, KVStoreError, RequestTimeout, TooLarge, TransportError, Unauthorized
 
 from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
@@ -221,23 +222,26 @@ async def test_calls_use_the_connections_that_opened_when_others_are_refused(mak
 
 
 async def test_a_put_over_servers_one_of_which_refuses_its_share_tells_what_the_other_stored(
-        make_server: MakeServer) -> None:
-    """A share refused whole (here a frame over one server's --max-frame-size: a ProtocolError) fails its keys;
+        make_server: MakeServer, tmp_path: Path) -> None:
+    """A share refused whole (here by a server that wants a token this client lacks) fails its keys;
     the .result of the error still holds what the other server stored."""
-    roomy, strict = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--max-frame-size", "64KiB")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-token-this-client-lacks\n")
+    roomy, strict = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--token-file", str(tokens))
     kv = AsyncKVClient([roomy.addr, strict.addr], namespace="p")
     keys = [key(i, "refused-share") for i in range(32)]
     on_strict = {i for i, k in enumerate(keys) if kv.nodes[kv.ring.node_of(k)].addr == strict.addr}
-    assert 2 < len(on_strict) < len(keys)  # (over 64 KiB of 32 KiB blocks for the strict one)
+    assert 2 < len(on_strict) < len(keys)
     try:
-        with pytest.raises(KVStoreError) as info:
+        with pytest.raises(Unauthorized) as info:
             await kv.put(keys, [bytes([i]) * (32 << 10) for i in range(len(keys))])
         result: Any = info.value.result  # type: ignore[attr-defined]
         assert result.statuses == ["failed" if i in on_strict else "stored" for i in range(len(keys))]
         assert set(result.errors) == on_strict
-        assert await kv.exists(keys) == [i not in on_strict for i in range(len(keys))]
     finally:
         await kv.close()
+    async with AsyncKVClient(roomy.addr, namespace="p") as only:
+        assert await only.exists(keys) == [i not in on_strict for i in range(len(keys))]
 
 
 @pytest.mark.parametrize("op", ["get", "get_into"])
@@ -385,3 +389,94 @@ async def test_a_block_over_the_servers_limits_fails_alone_and_costs_no_connecti
         assert await kv.exists(keys) == [True, False, True]
         stats = await kv.stats()  # (shm: a second connection maps the arena)
         assert stats["connections_total"] == (1 if transport == "tcp" else 2) and not stats["errors"]
+
+
+async def _leases(servers: list[Any]) -> list[int]:
+    out = []
+    for srv in servers:
+        async with AsyncKVClient(srv.addr, namespace="p") as probe:
+            out.append((await probe.stats())["store"]["leases"])
+    return out
+
+
+async def test_a_sharded_pinned_lookup_longer_than_max_batch_leaves_only_the_chains_leases(
+        make_server: MakeServer) -> None:
+    """Each server pins its share's own prefix; the leases past the chain's end are dropped after, and
+    that drop must go in runs too (one UNPIN over --max-batch keys was refused, silently: the blocks
+    stayed pinned until their lease ran out)."""
+    servers = [make_server("--capacity", "8MiB", "--max-batch", "4") for _ in range(3)]
+    keys = [key(i, "sharded-runs") for i in range(40)]
+    async with AsyncKVClient([s.addr for s in servers], namespace="p") as kv:
+        await kv.put(keys[:25], [bytes([i]) * 1000 for i in range(25)])
+        assert await kv.delete([keys[2]]) == 1
+        assert await kv.lookup(keys, pin=True) == 2
+        assert sum(await _leases(servers)) == 2
+        assert await kv.unpin(keys[:2]) == 2
+        assert await kv.lookup(keys[3:], pin=True) == 22  # the rest of the stored chain: runs on every server
+        assert sum(await _leases(servers)) == 22
+        assert await kv.unpin(keys[3:25]) == 22
+        assert await _leases(servers) == [0, 0, 0]
+
+
+async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_server: MakeServer) -> None:
+    """The caller of a failed lookup learns of no lease, so none may be left: a server that answered
+    pinned its share, another timed out -- the first one's leases are dropped before the error."""
+    up, stopped = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB")
+    assert stopped.proc is not None
+    kv = AsyncKVClient([up.addr, stopped.addr], namespace="p", timeout=1.0, retries=0)
+    keys = [key(i, "failed-pin") for i in range(16)]
+    try:
+        await kv.put(keys, [bytes([i]) * 1000 for i in range(16)])
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout):
+                await kv.lookup(keys, pin=True, lease_ms=600_000)
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        assert await _leases([up]) == [0]  # (were the up server's share: until the 10-minute lease ran out)
+    finally:
+        await kv.close()
+
+
+def test_a_clients_first_call_follows_the_servers_limits(make_server: MakeServer) -> None:
+    """A client that has not connected yet knows only its own limits: its first call went out whole
+    (a lookup over --max-batch refused, a put over --max-frame-size cost every key and the connection)."""
+    srv = make_server("--capacity", "8MiB", "--max-batch", "4", "--max-frame-size", "1MiB")
+    keys = [key(i, "first-call") for i in range(10)]
+
+    def fresh() -> KVClient:
+        return KVClient(srv.addr, namespace="p")  # (no `with`, no connect(): connects on the first call)
+
+    kv = fresh()
+    try:
+        assert kv.lookup(keys) == 0
+    finally:
+        kv.close()
+    kv = fresh()
+    try:
+        with pytest.raises(TooLarge) as info:
+            kv.put(keys[:3], [b"a" * 1000, b"b" * (2 << 20), b"c" * 1000])
+        assert info.value.result.statuses == ["stored", "failed", "stored"]  # type: ignore[attr-defined]
+    finally:
+        kv.close()
+    kv = fresh()
+    try:
+        assert kv.exists(keys) == [True, False, True] + [False] * 7
+        assert kv.stats()["errors"] == {}
+    finally:
+        kv.close()
+
+
+async def test_an_shm_client_puts_a_block_over_the_frame_limit_through_the_arena(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block under inline_put_bytes goes over the socket -- unless it is over --max-frame-size,
+    which the arena does not know: then the arena carries it (it was refused with TooLarge)."""
+    from kvstore.client.shm import ShmChannel
+
+    monkeypatch.setattr(ShmChannel, "inline_put_bytes", 2 << 20)  # the default
+    make_server("--capacity", "8MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+    block = bytes(range(256)) * 6000  # 1.5 MB
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="p") as kv:
+        assert kv.nodes[0].shm is not None
+        assert (await kv.put([key(0, "mid")], [block])).statuses == ["stored"]
+        assert bytes((await kv.get([key(0, "mid")]))[0]) == block
