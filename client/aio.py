@@ -211,8 +211,7 @@ class _Node:
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
-        self.hello_seen = False  # whether a HELLO reply told the limits (and arena) above
-        self.ready_failed = False  # whether ready()'s early attempt failed (it is not made again)
+        self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
 
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
@@ -235,16 +234,12 @@ class _Node:
         step = self.max_batch
         return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
-    async def ready(self) -> None:
-        """Before this server's first request: a connection, so that its HELLO's limits (and arena)
-        shape how the request is cut. If that fails, the request's own attempts follow; it is not
-        tried again (a server silent from the start costs only the first calls an extra wait)."""
-        if self.hello_seen or self.ready_failed:
-            return
-        try:  # (callers arriving together share the opens: each returns when one has)
-            await self.connection()
-        except KVStoreError:
-            self.ready_failed = True
+    async def ready(self, idempotent: bool = True) -> None:
+        """Before this server's first request: a PING, so that its HELLO's limits (and arena) shape
+        how the request is cut. Its attempts are the request's (a failure here is the request's
+        failure); a round trip more, once per server."""
+        if not self.hello_seen:
+            await self.call(Ping(), idempotent=idempotent)
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
@@ -298,7 +293,6 @@ class _Node:
                 for name in ("max_payload", "max_batch"):
                     if type(limits.get(name)) is int and limits[name] > 0:
                         setattr(self, name, min(getattr(c.limits, name), limits[name]))
-            self.hello_seen = True
             try:
                 async with self._attaching:
                     self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
@@ -309,6 +303,7 @@ class _Node:
                 await conn.discard(TransportError(_CLOSED))
                 raise TransportError(_CLOSED)
             self.conns.append(conn)
+            self.hello_seen = True  # (after the attach: a call that saw it early would pass the arena by)
             return conn
         finally:
             self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -407,6 +402,7 @@ class AsyncKVClient:
         self._block_bytes = 0  # average block size of the last get: how big an unsized read is
         self.nodes = [_Node(a, self) for a in addrs]
         self.closed = False  # by close(), until connect()
+        self._background: set[asyncio.Future[None]] = set()  # leases given back after a failed lookup
         self.ring = Ring([n.addr for n in self.nodes])
 
     async def __aenter__(self) -> AsyncKVClient:
@@ -507,7 +503,10 @@ class AsyncKVClient:
             return PutResult(0, 0, 0, [])
 
         async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None] | KVStoreError]:
-            await node.ready()
+            try:
+                await node.ready()
+            except KVStoreError as exc:  # (this share's keys fail; the others' stand)
+                return [exc] * len(idx)
             before = self._local_parent(node, keys[idx[0] - 1] if idx[0] else parent)
             share, blocks = _pick(keys, idx), _pick(views, idx)
             sizes = list(map(len, blocks))
@@ -574,7 +573,7 @@ class AsyncKVClient:
         pinned: list[tuple[_Node, list[bytes]]] = []  # (what to give back if the lookup fails)
 
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            await node.ready()
+            await node.ready(idempotent=not pin)
             found = 0
             for run in node.key_runs(len(idx)):  # (a run starts where the one before found every key)
                 part = _pick(keys, idx[run.start:run.stop])
@@ -597,8 +596,11 @@ class AsyncKVClient:
         first_missing = len(keys)
         try:
             shares = await self._per_node(keys, one)
-        except KVStoreError:  # the caller learns of no lease: give back those taken before the failure
-            await self._unpin_quietly(pinned)
+        except BaseException:  # (a cancel too) the caller learns of no lease: give back those taken
+            if pinned:  # (in the background: not to wait on a server that failed, nor be cut off by a cancel)
+                task = asyncio.ensure_future(self._unpin_quietly(pinned))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             raise
         for idx, n in shares:
             if n < len(idx):
@@ -653,12 +655,20 @@ class AsyncKVClient:
     async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
-        if not all(node.hello_seen or node.ready_failed for node in self.nodes):  # (a first call: parts follow the limits)
-            await asyncio.gather(*(node.ready() for node, _ in self._groups(keys)))
+        unready: dict[_Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
+        if not all(node.hello_seen for node in self.nodes):  # (a first call: the parts follow the limits)
+            nodes = [node for node, _ in self._groups(keys)]
+            for node, r in zip(nodes, await asyncio.gather(*(n.ready(not unpin) for n in nodes), return_exceptions=True)):
+                if isinstance(r, KVStoreError):
+                    unready[node] = r
+                elif isinstance(r, BaseException):
+                    raise r
 
         async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
             try:
+                if node in unready:
+                    raise unready[node]
                 if node.shm is not None:  # same host: copied out of the arena, verified on the way
                     with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
                         return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
@@ -747,7 +757,7 @@ class AsyncKVClient:
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
         async def one(node: _Node, idx: Sequence[int]) -> int:
-            await node.ready()
+            await node.ready(idempotent)
             n = 0
             for run in node.key_runs(len(idx)):
                 resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient, PutResult
-from kvstore.errors import BlockSizeError, KVStoreError, RequestTimeout, TooLarge, TransportError, Unauthorized
+from kvstore.errors import BlockSizeError, RequestTimeout, TooLarge, TransportError, Unauthorized
 
 from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
@@ -431,11 +431,47 @@ async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_ser
         try:
             with pytest.raises(RequestTimeout):
                 await kv.lookup(keys, pin=True, lease_ms=600_000)
+            with pytest.raises(asyncio.TimeoutError):  # a caller that gives up (a cancel) takes none either
+                await asyncio.wait_for(kv.lookup(keys, pin=True, lease_ms=600_000), 0.5)
         finally:
             os.kill(stopped.proc.pid, signal.SIGCONT)
-        assert await _leases([up]) == [0]  # (were the up server's share: until the 10-minute lease ran out)
+        # (given back in the background; were the up server's share: until the 10-minute lease ran out)
+        for _ in range(50):
+            if await _leases([up]) == [0]:
+                break
+            await asyncio.sleep(0.1)
+        assert await _leases([up]) == [0]
     finally:
         await kv.close()
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+async def test_a_first_call_to_a_silent_server_makes_its_own_attempts_only(retries: int) -> None:
+    """Learning a server's limits before the first request is that request's own attempts: against a
+    server that accepts and never answers, 1 + retries connections (an early attempt of its own made one more)."""
+    accepted = 0
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        await reader.read()  # until the client gives up
+        writer.close()
+
+    peer = await asyncio.start_server(silent, "127.0.0.1", 0)
+    kv = AsyncKVClient(f"127.0.0.1:{peer.sockets[0].getsockname()[1]}", pool_size=1, connect_timeout=0.3,
+                       timeout=0.3, retries=retries, backoff=0.01)
+    try:
+        k = key(0, "silent")
+        for call, attempts in ((lambda: kv.exists([k]), 1 + retries), (lambda: kv.lookup([k], pin=True), 1)):
+            accepted = 0  # (a pinned lookup must not run twice: one attempt)
+            with pytest.raises(TransportError):
+                await call()
+            await asyncio.sleep(0.1)  # (the last connection's accept)
+            assert accepted == attempts
+    finally:
+        await kv.close()
+        peer.close()
+        await peer.wait_closed()
 
 
 def test_a_clients_first_call_follows_the_servers_limits(make_server: MakeServer) -> None:
@@ -480,3 +516,48 @@ async def test_an_shm_client_puts_a_block_over_the_frame_limit_through_the_arena
         assert kv.nodes[0].shm is not None
         assert (await kv.put([key(0, "mid")], [block])).statuses == ["stored"]
         assert bytes((await kv.get([key(0, "mid")]))[0]) == block
+
+
+def test_a_client_that_starts_before_its_server_learns_its_limits_when_it_comes(make_server: MakeServer) -> None:
+    """The first calls fail (nothing listens); the first one after the server came up is cut by its limits."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kv = KVClient(f"127.0.0.1:{port}", namespace="p", retries=0, connect_timeout=1)
+    keys = [key(i, "late") for i in range(10)]
+    try:
+        with pytest.raises(TransportError):
+            kv.exists(keys)
+        make_server("--capacity", "8MiB", "--max-batch", "4", "--port", str(port))
+        assert kv.exists(keys) == [False] * 10  # (was TooLarge: the 10 keys in one request)
+        assert kv.stats()["errors"] == {}
+    finally:
+        kv.close()
+
+
+async def test_a_call_that_starts_while_the_arena_is_attached_waits_for_it(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second call arriving after the first connection's HELLO but before its arena is mapped must
+    not take the socket for a block only the arena can carry (it got TooLarge)."""
+    import kvstore.client.aio as aio
+
+    attaching = asyncio.Event()
+    real_open_channel = aio.open_channel
+
+    async def slow_open_channel(node: Any, conn: Any) -> Any:
+        attaching.set()
+        await asyncio.sleep(0.3)
+        return await real_open_channel(node, conn)
+
+    monkeypatch.setattr(aio, "open_channel", slow_open_channel)
+    make_server("--capacity", "8MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+    block = bytes(range(256)) * 6000  # 1.5 MB: over the frame limit
+    kv = AsyncKVClient(f"unix:{unix_path}", namespace="p")
+    try:
+        first = asyncio.ensure_future(kv.exists([key(0, "attach")]))
+        await asyncio.wait_for(attaching.wait(), 10)
+        assert (await kv.put([key(1, "attach")], [block])).statuses == ["stored"]
+        assert await first == [False]
+        assert kv.nodes[0].shm is not None
+    finally:
+        await kv.close()
