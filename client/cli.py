@@ -171,6 +171,8 @@ def read_token(path: str | None) -> str | None:
         return None
     try:
         text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:  # (named with its flag: the path alone does not say which file it was)
+        raise Failure(f"--token-file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not a text file of tokens (not UTF-8)") from None
     for line in text.splitlines():

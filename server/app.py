@@ -143,14 +143,30 @@ class Server:
             raise StartupError(f"{flag}: cannot listen on {host}:{port}: {_reason(exc)}") from None
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
-        await self._start_unix()
-        self._tasks.append(asyncio.create_task(self._housekeeping()))
-        self._tasks.append(asyncio.create_task(self._reap_connections()))
-        warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
-        await self._start_metrics()
+        try:
+            await self._start_unix()
+            self._tasks.append(asyncio.create_task(self._housekeeping()))
+            self._tasks.append(asyncio.create_task(self._reap_connections()))
+            warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
+            await self._start_metrics()
+        except BaseException:
+            await self._abandon_start()
+            raise
         log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
                  "on" if self.tls else "off", "on" if self.service.auth else "off")
+
+    async def _abandon_start(self) -> None:
+        """Release what a start that failed half-way had bound: a socket file left behind would
+        read as a live server's to the next start's neighbours (and clients)."""
+        for srv in self._servers:
+            srv.close()
+        if self._unix_inode is not None:  # (only ours: a failed bind may have found another server's)
+            remove_unix_listener(self.config.unix or "", self._unix_inode)
+        for task in self._tasks:
+            task.cancel()
+        if self.tier is not None:
+            await self.tier.close()
 
     async def _start_unix(self) -> None:
         """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""

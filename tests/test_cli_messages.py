@@ -66,12 +66,14 @@ def test_a_port_in_use_names_the_flag_and_address_and_exits_2(taken_port: int) -
         f"kvstore-server: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
 
 
-def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int) -> None:
-    r = server_run("--metrics-port", str(taken_port))
+def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int, tmp_path: Path) -> None:
+    sock = tmp_path / "kv.sock"
+    r = server_run("--metrics-port", str(taken_port), "--unix", str(sock))
     # (was "cannot listen on 127.0.0.1:0: --metrics-port P: error while attempting to bind on address ...")
     assert r.returncode == 2
     assert error_line(r, "kvstore-server") == (f"kvstore-server: --metrics-port {taken_port}: cannot listen on "
                                                f"127.0.0.1:{taken_port}: Address already in use")
+    assert not sock.exists()  # what was bound before the failure is released (the socket file was left)
 
 
 def test_a_unix_socket_in_a_missing_folder_does_not_blame_the_tcp_address(tmp_path: Path) -> None:
@@ -194,6 +196,13 @@ def test_a_missing_ca_file_is_named_with_its_flag(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert error_line(r, "kvstore-cli") == \
         f"kvstore-cli: --tls-ca {missing}: cannot load it as a CA file (No such file or directory)"
+
+
+def test_a_missing_token_file_is_named_with_its_flag(tmp_path: Path) -> None:
+    missing = tmp_path / "tokens"
+    r = cli("--addr", dead_addr(), "--token-file", str(missing), "stats")
+    assert r.returncode == 1  # (was "No such file or directory: PATH": which file, for what?)
+    assert error_line(r, "kvstore-cli") == f"kvstore-cli: --token-file {missing}: No such file or directory"
 
 
 # ---------------------------------------------------------------- examples/pd_disaggregation.py
