@@ -419,6 +419,8 @@ class AsyncKVClient:
 
     async def close(self) -> None:
         """Close every connection; later calls raise ``TransportError`` until :meth:`connect`."""
+        if self._background:  # leases a failed lookup is giving back: let them go first (a second at most)
+            await asyncio.wait(set(self._background), timeout=1.0)
         self.closed = True
         await asyncio.gather(*(n.close() for n in self.nodes))
 
@@ -570,7 +572,10 @@ class AsyncKVClient:
         if not keys:
             return 0
 
-        pinned: list[tuple[_Node, list[bytes]]] = []  # (what to give back if the lookup fails)
+        pinned: list[tuple[_Node, Sequence[int]]] = []  # the leases taken, by key index
+
+        def leased(lo: int, hi: int) -> list[tuple[_Node, list[bytes]]]:
+            return [(node, [keys[i] for i in ix if lo <= i < hi]) for node, ix in pinned]
 
         async def one(node: _Node, idx: Sequence[int]) -> int:
             await node.ready(idempotent=not pin)
@@ -583,7 +588,7 @@ class AsyncKVClient:
                     raise ProtocolError("malformed LOOKUP reply")
                 found += n
                 if pin and n:
-                    pinned.append((node, part[:n]))
+                    pinned.append((node, idx[run.start:run.start + n]))
                 granted = resp.fields.get("lease_ms")
                 if lease_ms and type(granted) is int and granted < lease_ms and not node.lease_cut_told:
                     node.lease_cut_told = True  # (once per server: an engine asks the same on every lookup)
@@ -594,21 +599,29 @@ class AsyncKVClient:
             return found
 
         first_missing = len(keys)
+        dropping = False
         try:
             shares = await self._per_node(keys, one)
-        except BaseException:  # (a cancel too) the caller learns of no lease: give back those taken
-            if pinned:  # (in the background: not to wait on a server that failed, nor be cut off by a cancel)
-                task = asyncio.ensure_future(self._unpin_quietly(pinned))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            for idx, n in shares:
+                if n < len(idx):
+                    first_missing = min(first_missing, idx[n])
+            if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
+                dropping = True  # (shielded: a cancel must not cut the drop off half-way)
+                await asyncio.shield(self._in_background(self._unpin_quietly(leased(first_missing, len(keys)))))
+        except BaseException:  # (a cancel too) the caller learns of no lease: give back those it took
+            # (in the background: not to wait on a server that failed, nor be cut off by a cancel). A LOOKUP
+            # whose reply never came may have pinned too: unknown here, its lease ends with its time.
+            if pinned:
+                self._in_background(self._unpin_quietly(leased(0, first_missing if dropping else len(keys))))
             raise
-        for idx, n in shares:
-            if n < len(idx):
-                first_missing = min(first_missing, idx[n])
-        if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
-            await self._unpin_quietly([(node, [keys[i] for i in idx[:n] if i >= first_missing])
-                                       for (node, _), (idx, n) in zip(self._groups(keys), shares)])
         return first_missing
+
+    def _in_background(self, work: Awaitable[None]) -> asyncio.Future[None]:
+        """Run ``work`` on its own, kept until it ends (close() waits for it, a second at most)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     @staticmethod
     async def _unpin_quietly(leases: list[tuple[_Node, list[bytes]]]) -> None:

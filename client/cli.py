@@ -174,11 +174,11 @@ def read_token(path: str | None) -> str | None:
     except OSError as exc:  # (named with its flag: the path alone does not say which file it was)
         raise Failure(f"--token-file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise UsageError(f"{path} is not a text file of tokens (not UTF-8)") from None
+        raise UsageError(f"--token-file {path}: not a text file of tokens (not UTF-8)") from None
     for line in text.splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             return line.strip()
-    raise UsageError(f"{path} holds no token")
+    raise UsageError(f"--token-file {path}: holds no token")
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | bool | None:

@@ -128,22 +128,11 @@ class Server:
         return conn
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         if self.tier is not None:
             await self.tier.start()  # a Redis that is down only makes it start degraded
-        host, port = self.config.host, self.config.port
-        handshake_timeout = (self.config.frame_timeout or None) if self.tls else None
         try:
-            srv = await loop.create_server(self._new_connection, host, port, reuse_address=True, backlog=1024,
-                                           ssl=self.tls, ssl_handshake_timeout=handshake_timeout)
-        except OSError as exc:  # an unknown or foreign host is --host's fault, the rest --port's
-            flag = f"--host {host}" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
-                else f"--port {port}"
-            raise StartupError(f"{flag}: cannot listen on {host}:{port}: {_reason(exc)}") from None
-        self._servers.append(srv)
-        self.port = srv.sockets[0].getsockname()[1]
-        try:
+            await self._start_tcp()
             await self._start_unix()
             self._tasks.append(asyncio.create_task(self._housekeeping()))
             self._tasks.append(asyncio.create_task(self._reap_connections()))
@@ -155,6 +144,20 @@ class Server:
         log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
                  "on" if self.tls else "off", "on" if self.service.auth else "off")
+
+    async def _start_tcp(self) -> None:
+        host, port = self.config.host, self.config.port
+        handshake_timeout = (self.config.frame_timeout or None) if self.tls else None
+        try:
+            srv = await asyncio.get_running_loop().create_server(
+                self._new_connection, host, port, reuse_address=True, backlog=1024, ssl=self.tls,
+                ssl_handshake_timeout=handshake_timeout)
+        except OSError as exc:  # an unknown or foreign host is --host's fault, the rest --port's
+            flag = f"--host {host}" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
+                else f"--port {port}"
+            raise StartupError(f"{flag}: cannot listen on {host}:{port}: {_reason(exc)}") from None
+        self._servers.append(srv)
+        self.port = srv.sockets[0].getsockname()[1]
 
     async def _abandon_start(self) -> None:
         """Release what a start that failed half-way had bound: a socket file left behind would

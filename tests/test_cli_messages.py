@@ -76,6 +76,21 @@ def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int, tmp
     assert not sock.exists()  # what was bound before the failure is released (the socket file was left)
 
 
+async def test_a_start_that_cannot_listen_closes_the_tier_it_started(taken_port: int) -> None:
+    """(In process: the CLI's exit would end the tier's tasks anyway; an embedding program's would run on.)"""
+    import asyncio
+
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server, StartupError
+
+    server = Server(ServerConfig(host="127.0.0.1", port=taken_port, capacity=1 << 20, prefault=False,
+                                 redis="redis://127.0.0.1:1/0", redis_mode="write-behind"))
+    with pytest.raises(StartupError, match=f"--port {taken_port}"):
+        await server.start()
+    await asyncio.sleep(0)
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name() == "redis-write-behind"] == []
+
+
 def test_a_unix_socket_in_a_missing_folder_does_not_blame_the_tcp_address(tmp_path: Path) -> None:
     path = tmp_path / "no-such-dir" / "kv.sock"
     r = server_run("--unix", str(path))

@@ -561,3 +561,50 @@ async def test_a_call_that_starts_while_the_arena_is_attached_waits_for_it(
         assert kv.nodes[0].shm is not None
     finally:
         await kv.close()
+
+
+async def test_close_right_after_a_failed_pinned_lookup_lets_its_leases_go_first(make_server: MakeServer) -> None:
+    """The give-back runs in the background; close() used to cut it off (it then found the client closed)."""
+    up, stopped = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB")
+    assert stopped.proc is not None
+    kv = AsyncKVClient([up.addr, stopped.addr], namespace="p", timeout=1.0, retries=0)
+    keys = [key(i, "close-after-pin") for i in range(16)]
+    await kv.put(keys, [bytes([i]) * 1000 for i in range(16)])
+    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RequestTimeout):
+            await kv.lookup(keys, pin=True, lease_ms=600_000)
+        await kv.close()
+    finally:
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+    assert await _leases([up]) == [0]
+
+
+async def test_a_lookup_cancelled_while_it_drops_the_leases_past_the_chain_leaves_none(
+        make_server: MakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel in the last step of a sharded pinned lookup (dropping the leases past the chain's end)
+    cut that drop off, and the caller, who learns of no lease, left the chain's own pinned."""
+    servers = [make_server("--capacity", "8MiB") for _ in range(3)]
+    keys = [key(i, "cancel-drop") for i in range(40)]
+    dropping = asyncio.Event()
+    real = AsyncKVClient._unpin_quietly
+
+    async def slow_unpin(leases: Any) -> None:
+        dropping.set()
+        await asyncio.sleep(0.3)
+        await real(leases)
+
+    async with AsyncKVClient([s.addr for s in servers], namespace="p") as kv:
+        await kv.put(keys, [bytes([i]) * 1000 for i in range(40)])
+        assert await kv.delete([keys[5]]) == 1
+        monkeypatch.setattr(AsyncKVClient, "_unpin_quietly", staticmethod(slow_unpin))
+        task = asyncio.ensure_future(kv.lookup(keys, pin=True, lease_ms=600_000))
+        await asyncio.wait_for(dropping.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(50):
+            if sum(await _leases(servers)) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await _leases(servers) == [0, 0, 0]
