@@ -566,7 +566,9 @@ class AsyncKVClient:
 
         One round trip per server (one per ``--max-batch`` keys of a longer chain, until
         one finds a key missing). ``pin=True`` leases those blocks (``lease_ms``, default
-        the server's) so eviction cannot take them before the fetch.
+        the server's) so eviction cannot take them before the fetch. A pinned lookup that
+        raises (or is cancelled) gives back the leases it knows it took; one whose request
+        was still in flight may have pinned unknown blocks, whose leases end with their time.
         """
         keys = _checked_keys(keys)
         if not keys:
