@@ -40,13 +40,12 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _check_token_file(path: str | None) -> None:
-    """Read the token file once before the arena is pre-faulted, so a bad one fails at once and by name
-    (the service reads it again)."""
+def _load_tokens(path: str | None) -> TokenTable | None:
+    """The token file, read before the arena is pre-faulted: a bad one fails at once, by name."""
     if not path:
-        return
+        return None
     try:
-        TokenTable.load(path)
+        return TokenTable.load(path)
     except OSError as exc:
         raise StartupError(f"--token-file {path}: {_reason(exc)}") from None
     except ValueError as exc:  # no token, a bad line (its message starts with the path), not UTF-8
@@ -94,7 +93,7 @@ class Server:
         self.config = config
         # the settings, files and Redis URL first: a bad one fails now, not after seconds of pre-faulting
         config.check()
-        _check_token_file(config.token_file)
+        tokens = _load_tokens(config.token_file)
         self.tls = _tls_context(config)
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
         try:
@@ -103,7 +102,7 @@ class Server:
             reason = _reason(exc) if isinstance(exc, OSError) else "out of memory"
             raise StartupError(f"--capacity {format_size(config.capacity)}: cannot map the block memory: "
                                f"{reason}") from None
-        self.service = Service(self.store, config, self.tier)
+        self.service = Service(self.store, config, self.tier, tokens)
         self.limits = config.limits()
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()

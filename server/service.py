@@ -229,14 +229,16 @@ class GetResult:
 class Service:
     """The request logic over a :class:`BlockStore`."""
 
-    def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, tier: Tier | None = None,
+                 auth: TokenTable | None = None) -> None:
+        """``auth``: the tokens clients must present (the server loads ``--token-file``); None: no auth."""
         config.check()
         self.store = store
         self.config = config
         self.tier = tier
         self.counters = Counters()
         self.started = time.time()
-        self.auth = TokenTable.load(config.token_file) if config.token_file else None
+        self.auth = auth
         self.max_reply = config.limits().max_payload  # a bigger GET reply is refused by the client's codec
         # Announced in HELLO: clients split bigger batches into requests within them.
         self.hello_limits = {"max_payload": config.max_frame_size, "max_batch": config.max_batch}
