@@ -309,13 +309,22 @@ class _Node:
             self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
-                   make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True) -> Response:
+                   make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
+                   orphan: Callable[[Response], None] | None = None) -> Response:
+        """One request, retried on a lost connection if ``idempotent``.
+
+        ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
+        cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
+        """
         c = self.client
         attempts = 1 + (c.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
                 conn = await self.connection()
-                return await conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+                request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+                if orphan is None:
+                    return await request
+                return await _kept(request, orphan)
             except RequestTimeout:
                 raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
             except TransportError:
@@ -338,6 +347,20 @@ class _Node:
         if self.shm is not None:
             self.shm.segment.close()
         self.shm, self.shm_tried = None, None  # (also when close() cut off the first attach)
+
+
+async def _kept(request: Awaitable[Response], orphan: Callable[[Response], None]) -> Response:
+    """Await ``request``; if the caller is cancelled first, let it finish and hand its reply to ``orphan``."""
+    task = asyncio.ensure_future(request)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def settle(t: asyncio.Future[Response]) -> None:
+            if not t.cancelled() and t.exception() is None:  # (a failed one: nothing to hand on)
+                orphan(t.result())
+
+        task.add_done_callback(settle)
+        raise
 
 
 class AsyncKVClient:
@@ -567,8 +590,9 @@ class AsyncKVClient:
         One round trip per server (one per ``--max-batch`` keys of a longer chain, until
         one finds a key missing). ``pin=True`` leases those blocks (``lease_ms``, default
         the server's) so eviction cannot take them before the fetch. A pinned lookup that
-        raises (or is cancelled) gives back the leases it knows it took; one whose request
-        was still in flight may have pinned unknown blocks, whose leases end with their time.
+        raises (or is cancelled) gives back the leases it took: a request in flight when the
+        caller is cancelled is seen through, and what it pinned is given back; one that gets
+        no answer (a server that stopped answering) may have pinned, its leases end with their time.
         """
         keys = _checked_keys(keys)
         if not keys:
@@ -584,7 +608,8 @@ class AsyncKVClient:
             found = 0
             for run in node.key_runs(len(idx)):  # (a run starts where the one before found every key)
                 part = _pick(keys, idx[run.start:run.stop])
-                resp = await node.call(Lookup(keys=part, pin=pin, lease_ms=lease_ms), idempotent=not pin)
+                resp = await node.call(Lookup(keys=part, pin=pin, lease_ms=lease_ms), idempotent=not pin,
+                                       orphan=partial(self._unpin_orphan, node, part) if pin else None)
                 n = resp.fields.get("n")
                 if type(n) is not int or not 0 <= n <= len(part):
                     raise ProtocolError("malformed LOOKUP reply")
@@ -617,6 +642,12 @@ class AsyncKVClient:
                 self._in_background(self._unpin_quietly(leased(0, first_missing if dropping else len(keys))))
             raise
         return first_missing
+
+    def _unpin_orphan(self, node: _Node, part: list[bytes], resp: Response) -> None:
+        """Give back what a pinned LOOKUP pinned after its caller stopped waiting (cancelled)."""
+        n = resp.fields.get("n")
+        if type(n) is int and 0 < n <= len(part) and not self.closed:
+            self._in_background(self._unpin_quietly([(node, part[:n])]))
 
     def _in_background(self, work: Awaitable[None]) -> asyncio.Future[None]:
         """Run ``work`` on its own, kept until it ends (close() waits for it, a second at most)."""

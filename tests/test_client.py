@@ -140,7 +140,10 @@ async def test_requests_that_must_not_run_twice_are_not_retried() -> None:
                                   (lambda: kv.get(keys, unpin=True), False), (lambda: kv.get(keys), True)):
                 conn = await kv.nodes[0].connection()  # the one connection the call will use
                 task = asyncio.ensure_future(call())
-                await asyncio.sleep(0)  # the request is on the wire
+                for _ in range(10):  # until the request is on the wire (a pinned lookup sends from a task of its own)
+                    if conn.in_flight:
+                        break
+                    await asyncio.sleep(0)
                 assert conn.in_flight == 1
                 conn.abort(TransportError("connection lost"))
                 if retried:

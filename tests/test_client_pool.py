@@ -445,6 +445,32 @@ async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_ser
         await kv.close()
 
 
+async def test_a_pinned_lookup_cancelled_in_flight_gives_back_what_its_reply_says_it_pinned(
+        make_server: MakeServer) -> None:
+    """The LOOKUP was sent when the caller gave up: the server still pins (its reply came to no
+    one, and the cancel cost the connection), and those leases stayed for their 10 minutes."""
+    srv = make_server("--capacity", "8MiB")
+    assert srv.proc is not None
+    kv = AsyncKVClient(srv.addr, namespace="p", timeout=10.0, pool_size=1)
+    keys = [key(i, "in-flight-pin") for i in range(12)]
+    try:
+        await kv.put(keys, [bytes([i]) * 1000 for i in range(12)])
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # the request waits in the server's socket
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(kv.lookup(keys[:8], pin=True, lease_ms=600_000), 0.3)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        for _ in range(50):
+            if await _leases([srv]) == [0]:
+                break
+            await asyncio.sleep(0.1)
+        assert await _leases([srv]) == [0]
+        assert await kv.lookup(keys) == 12  # (and the client goes on)
+    finally:
+        await kv.close()
+
+
 @pytest.mark.parametrize("retries", [0, 2])
 async def test_a_first_call_to_a_silent_server_makes_its_own_attempts_only(retries: int) -> None:
     """Learning a server's limits before the first request is that request's own attempts: against a
