@@ -17,10 +17,10 @@ import ssl
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence, TextIO
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
 
 from kvstore import __version__
-from kvstore.config import format_size, parse_bool, parse_number
+from kvstore.config import format_size, note_env, parse_bool, parse_number
 from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
@@ -428,16 +428,24 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags: Iterable[str] = ()
+
+    def said(exc: Exception) -> str:  # (a flag set by its KVSTORE_* variable says so)
+        return note_env(str(exc), argv, flags)
+
     try:
-        args = build_parser().parse_args(argv)  # a bad KVSTORE_* value: UsageError
+        parser = build_parser()  # a bad KVSTORE_* value: UsageError
+        flags = parser._option_string_actions
+        args = parser.parse_args(argv)
         if args.command in ("get", "put", "exists", "delete"):  # fail on a bad key before connecting
             for k in getattr(args, "keys", None) or [args.key]:
                 parse_key(k)
         return asyncio.run(_run(args))
     except UsageError as exc:
-        return _fail(str(exc), 2)
+        return _fail(said(exc), 2)
     except Failure as exc:
-        return _fail(str(exc))
+        return _fail(said(exc))
     except KVStoreError as exc:
         return _fail(_explain(exc))
     except BrokenPipeError:  # `kvstore-cli stats | head`: the reader has what it wanted

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from .protocol import Limits
 
@@ -57,6 +58,15 @@ def parse_number(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], e
         if ok(value):
             return value
     raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
+def note_env(message: str, argv: Sequence[str], flags: Iterable[str], prefix: str = "KVSTORE_") -> str:
+    """``message`` plus the environment variables behind the ``flags`` it names that ``argv`` does not
+    give: an operator who never typed ``--token-file`` learns that ``KVSTORE_TOKEN_FILE`` set it."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    named = [f for f in dict.fromkeys(re.findall(r"--[a-z][a-z-]*", message)) if f in flags and f not in given]
+    names = [n for n in (prefix + f[2:].replace("-", "_").upper() for f in named) if os.environ.get(n)]
+    return f"{message} (set by {', '.join(names)})" if names else message
 
 
 def format_size(n: float) -> str:

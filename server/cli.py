@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from kvstore import __version__
-from kvstore.config import ServerConfig, parse_bool, parse_number, parse_size
+from kvstore.config import ServerConfig, note_env, parse_bool, parse_number, parse_size
 from kvstore.eviction import POLICIES
 
 from .app import Server, StartupError
@@ -176,20 +176,26 @@ def _run(coro: Any) -> None:
         uvloop.run(coro)
 
 
+def _say(exc: BaseException, argv: Sequence[str]) -> None:
+    """One line on stderr; a flag set by its ``KVSTORE_*`` variable says so."""
+    print(f"kvstore-server: {note_env(str(exc), argv, build_parser()._option_string_actions)}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     config = config_from_args(argv)
     setup_logging(config.log_level, config.log_format)
     # A setting that cannot work (a file, an address, the memory) exits 2, as a bad flag does;
-    # a StartupError's message names the flag and the value.
+    # a StartupError's message names the flag and the value (and the variable it came from).
     try:
         server = Server(config)
     except (StartupError, ValueError, OSError, MemoryError) as exc:
-        print(f"kvstore-server: {exc}", file=sys.stderr)
+        _say(exc, argv)
         return 2
     try:
         _run(server.serve_forever())
     except StartupError as exc:  # a listener
-        print(f"kvstore-server: {exc}", file=sys.stderr)
+        _say(exc, argv)
         return 2
     return 0
 

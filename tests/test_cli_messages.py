@@ -122,6 +122,22 @@ def test_a_missing_token_file_is_named_with_its_flag_before_the_arena_is_faulted
     assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {empty}: the token file holds no token"
 
 
+def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Path, taken_port: int) -> None:
+    """The message names the flag; an operator who never typed that flag is told where it came from."""
+    missing = tmp_path / "token"
+    r = server_run(env={"KVSTORE_TOKEN_FILE": str(missing)})
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == (f"kvstore-server: --token-file {missing}: No such file or directory "
+                                               "(set by KVSTORE_TOKEN_FILE)")
+    r = server_run("--token-file", str(missing), env={"KVSTORE_TOKEN_FILE": "/elsewhere"})  # the flag wins: no note
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
+    cmd = [str(BIN / "kvstore-server"), "--capacity", "1MiB"]  # a listener's error (raised once serving starts)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=20,
+                       env=clean_env(KVSTORE_HOST="127.0.0.1", KVSTORE_PORT=str(taken_port)))
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server").endswith("(set by KVSTORE_PORT)")
+
+
 @pytest.mark.parametrize(("flag", "value", "expected"), [
     ("--metrics-port", "abc", "a port number 0-65535 or 'off'"),
     ("--port", "http", "a port number 0-65535"),
@@ -211,6 +227,13 @@ def test_a_missing_ca_file_is_named_with_its_flag(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert error_line(r, "kvstore-cli") == \
         f"kvstore-cli: --tls-ca {missing}: cannot load it as a CA file (No such file or directory)"
+
+
+def test_a_cli_setting_from_the_environment_is_named_with_its_variable(tmp_path: Path) -> None:
+    missing = tmp_path / "ca.pem"
+    r = cli("--addr", dead_addr(), "ping", env={"KVSTORE_TLS_CA": str(missing)})
+    assert r.returncode == 1
+    assert error_line(r, "kvstore-cli").endswith("(No such file or directory) (set by KVSTORE_TLS_CA)")
 
 
 def test_a_missing_token_file_is_named_with_its_flag(tmp_path: Path) -> None:
