@@ -131,6 +131,8 @@ def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Pat
                                                "(set by KVSTORE_TOKEN_FILE)")
     r = server_run("--token-file", str(missing), env={"KVSTORE_TOKEN_FILE": "/elsewhere"})  # the flag wins: no note
     assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
+    r = server_run("--token", str(missing), env={"KVSTORE_TOKEN_FILE": "/elsewhere"})  # (argparse's abbreviation)
+    assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
     cmd = [str(BIN / "kvstore-server"), "--capacity", "1MiB"]  # a listener's error (raised once serving starts)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=20,
                        env=clean_env(KVSTORE_HOST="127.0.0.1", KVSTORE_PORT=str(taken_port)))
