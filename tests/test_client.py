@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 from typing import Callable
 
 import pytest
@@ -285,3 +286,42 @@ async def test_a_big_put_hashed_on_helper_threads_stores_each_blocks_own_checksu
             keys = make_keys("big", len(blocks))
             await kv.put(keys, blocks)
             assert [bytes(b) for b in await kv.get(keys)] == blocks
+
+
+async def test_a_large_put_on_the_stock_asyncio_loop_is_fed_a_piece_at_a_time() -> None:
+    """Before Python 3.12 the stock transport joins ``writelines`` into one bytes (a copy of the whole
+    batch into fresh memory) and copies what the socket does not take at once into its own buffer:
+    it is now given one piece at a time, each when its buffer is empty. Puts and small requests
+    pipelined on one connection keep their bytes in order."""
+
+    assert type(asyncio.get_running_loop()).__module__.startswith("asyncio")  # (pytest-asyncio's loop)
+    with ServerProcess("--capacity", "128MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="paced", pool_size=1) as kv:
+            await kv.ping()
+            conn = kv.nodes[0].conns[0]
+            transport = conn.transport
+            assert transport is not None
+            most = buffered = 0
+            write = transport.write
+
+            def watched(data: bytes) -> None:
+                nonlocal most, buffered
+                buffered = max(buffered, transport.get_write_buffer_size())  # (before: it was handed none)
+                most = max(most, len(data))
+                write(data)
+
+            transport.write = watched  # type: ignore[method-assign]
+            blocks = [[os.urandom(1 << 20) for _ in range(16)] for _ in range(3)]
+            keys = [make_keys(f"paced{j}", 16) for j in range(3)]
+            small = [b"s" * 100]
+            calls = [kv.put(k, b) for k, b in zip(keys, blocks)] + [kv.put(make_keys("tiny", 1), small)]
+            calls += [kv.exists(keys[0]) for _ in range(5)]
+            results = await asyncio.gather(*calls)
+            assert [r.stored for r in results[:4]] == [16, 16, 16, 1]
+            for j in range(3):
+                bufs = [bytearray(1 << 20) for _ in range(16)]
+                assert all(await kv.get_into(keys[j], bufs))
+                assert bufs == blocks[j]
+            assert len(kv.nodes[0].conns) == 1 and conn.in_flight == 0
+            if sys.version_info < (3, 12):  # (3.12's transport sends a list as it is)
+                assert most == 1 << 20 and buffered == 0, (most, buffered)  # (connection.PIECE)
