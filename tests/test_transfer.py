@@ -237,3 +237,24 @@ def test_an_unexpected_error_fails_its_job_and_the_others_still_run(caplog) -> N
     done = ex.run([bad, good])
     assert done.failed == (bad,) and s.pending_jobs == ()  # (was: ValueError, both jobs pending for good)
     assert len(store.blocks) == 1 and "Traceback" in caplog.text and "in 0..9" in caplog.text
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_store_that_cannot_be_reached_is_a_miss_not_an_error_in_the_scheduling_step(pin: bool, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler asks the store during the engine's scheduling step: a store that is down
+    raised out of num_external_tokens (the engine's step failed); the store is a cache."""
+    from kvstore.client import KVClient
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        kv = KVClient(srv.addr, namespace="gone", timeout=2.0, retries=0)
+        kv.connect()
+    try:
+        sched = OffloadScheduler(BlockHasher(8), 4)
+        ex = TransferExecutor(kv, PagedKVTransfer(make_caches(torch.float32, 1), 2), sched, pin=pin)
+        sched.add_request("r", range(24))
+        assert sched.num_external_tokens("r", 0, ex.lookup) == 0
+        assert "kvstore lookup failed, treating it as a miss" in caplog.text
+        assert sched.on_alloc("r", list(range(6)), 0) is None  # and the request goes on: nothing to load
+    finally:
+        kv.close()

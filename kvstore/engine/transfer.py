@@ -306,10 +306,16 @@ class TransferExecutor:
         scheduler.keep_unused = pin  # run() drops the leases no load takes
 
     def lookup(self, keys: list[bytes]) -> int:
-        """The :data:`~kvstore.engine.offload.LookupFn` to give ``num_external_tokens``."""
-        if self.pin:
-            return self.client.lookup(keys, pin=True)  # type: ignore[call-arg]
-        return self.client.lookup(keys)
+        """The :data:`~kvstore.engine.offload.LookupFn` to give ``num_external_tokens``. A store that
+        fails (unreachable, timed out) is a miss, logged: the engine computes the prefix itself
+        rather than fail its scheduling step -- the store is a cache."""
+        try:
+            if self.pin:
+                return self.client.lookup(keys, pin=True)  # type: ignore[call-arg]
+            return self.client.lookup(keys)
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed, treating it as a miss: %s", exc)
+            return 0
 
     def load(self, job: LoadJob) -> bool:
         """Fetch and scatter one load; False (cache untouched) if a block is missing."""
