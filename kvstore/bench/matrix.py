@@ -91,7 +91,9 @@ async def measure(target: Target, op: Op, rounds: int, series: Series) -> None:
 
 async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int], trials: int,
                      target_bytes: int, min_rounds: int, log: Log, min_seconds: float = 0.0,
-                     warmup: int = 3) -> list[dict[str, Any]]:
+                     warmup: int = 3, settle: int = 1) -> list[dict[str, Any]]:
+    """The cells, each interleaved over ``trials``; every measurement follows ``settle`` untimed
+    requests of its own op (the first after another system ran pays for the switch)."""
     out: list[dict[str, Any]] = []
     for size in sizes:
         for batch in batches:
@@ -106,6 +108,7 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
             for trial in range(trials):
                 k = trial % len(plan)
                 for t, _, op, series in plan[k:] + plan[:k]:
+                    await timed_rounds(op, settle)  # untimed: the switch from the system before
                     await measure(t, op, series.rounds, series)
             for *_, series in plan:
                 s = series.summary()
