@@ -78,7 +78,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         reason = self.close_reason or TransportError(f"connection lost: {exc}" if exc else "connection closed by server")
         self._fail_all(reason)
         if self._can_write is not None and not self._can_write.done():
-            self._can_write.set_exception(reason)
+            self._can_write.set_result(None)  # (each waiter finds the failure in its own request's future)
         self.gone.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -188,17 +188,14 @@ class ClientConnection(asyncio.BufferedProtocol):
         fut = self._send(msg, payload, payload_len, make_sink)
         timer = fut.get_loop().call_later(timeout, self._time_out, fut, timeout) if timeout else None
         try:
-            if self._can_write is not None:
-                try:
-                    await self._can_write
-                except KVStoreError:
-                    if not fut.done():
-                        raise
-                    # else the request's own outcome (e.g. its timeout) is in fut
+            if self._can_write is not None:  # (shared by every request waiting: one's cancel is not the others')
+                await asyncio.shield(self._can_write)
             return await fut
         except asyncio.CancelledError:
             # The caller gave up: its buffers may still be referenced by the
             # transport or about to receive bytes. Drop the connection.
+            if not fut.cancel():
+                _drop_outcome(fut)  # (its outcome is nobody's now)
             self.abort(TransportError("request cancelled; connection discarded"))
             raise
         finally:

@@ -64,8 +64,8 @@ def note_env(message: str, argv: Sequence[str], flags: Iterable[str], prefix: st
     """``message`` plus the environment variables behind the ``flags`` it names that ``argv`` does not
     give: an operator who never typed ``--token-file`` learns that ``KVSTORE_TOKEN_FILE`` set it."""
     given = [a.split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2]
-    named = [f for f in dict.fromkeys(re.findall(r"--[a-z][a-z-]*", message))
-             if f in flags and not any(f.startswith(g) for g in given)]  # (argparse takes --token for --token-file)
+    named = [f for f in dict.fromkeys(re.findall(r"--[a-z][a-z-]*", message))  # (argparse takes --token for
+             if f in flags and not any(f == g or (g not in flags and f.startswith(g)) for g in given)]  # --token-file)
     names = [n for n in (prefix + f[2:].replace("-", "_").upper() for f in named) if os.environ.get(n)]
     return f"{message} (set by {', '.join(names)})" if names else message
 

@@ -233,9 +233,10 @@ def test_a_missing_ca_file_is_named_with_its_flag(tmp_path: Path) -> None:
 
 def test_a_cli_setting_from_the_environment_is_named_with_its_variable(tmp_path: Path) -> None:
     missing = tmp_path / "ca.pem"
-    r = cli("--addr", dead_addr(), "ping", env={"KVSTORE_TLS_CA": str(missing)})
-    assert r.returncode == 1
-    assert error_line(r, "kvstore-cli").endswith("(No such file or directory) (set by KVSTORE_TLS_CA)")
+    for given in ((), ("--tls",)):  # (--tls is a flag of its own, not --tls-ca abbreviated)
+        r = cli("--addr", dead_addr(), *given, "ping", env={"KVSTORE_TLS_CA": str(missing)})
+        assert r.returncode == 1
+        assert error_line(r, "kvstore-cli").endswith("(No such file or directory) (set by KVSTORE_TLS_CA)")
 
 
 def test_a_missing_token_file_is_named_with_its_flag(tmp_path: Path) -> None:

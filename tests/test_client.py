@@ -325,3 +325,74 @@ async def test_a_large_put_on_the_stock_asyncio_loop_is_fed_a_piece_at_a_time() 
             assert len(kv.nodes[0].conns) == 1 and conn.in_flight == 0
             if sys.version_info < (3, 12):  # (3.12's transport sends a list as it is)
                 assert most == 1 << 20 and buffered == 0, (most, buffered)  # (connection.PIECE)
+
+
+async def test_cancelling_one_request_queued_behind_a_put_leaves_the_others_waiting() -> None:
+    """Requests queued behind a put that fills the socket wait on one shared future: a cancel of one
+    of them cancelled it for all (the put and the others raised CancelledError, nobody's cancel)."""
+    with ServerProcess("--capacity", "256MiB") as srv:
+        assert srv.proc is not None
+        async with AsyncKVClient(srv.addr, namespace="queued", pool_size=1, timeout=30) as kv:
+            await kv.ping()
+            conn = kv.nodes[0].conns[0]
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                keys = make_keys("queued", 48)
+                put = asyncio.ensure_future(kv.put(keys, [os.urandom(1 << 20) for _ in range(48)]))
+                for _ in range(100):  # until the socket is full
+                    await asyncio.sleep(0.01)
+                    if conn._can_write is not None:
+                        break
+                assert conn._can_write is not None
+                others = [asyncio.ensure_future(kv.exists(keys[:1])) for _ in range(4)]
+                await asyncio.sleep(0.05)
+                others[0].cancel()
+                await asyncio.sleep(0.05)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            outcomes = await asyncio.gather(put, *others[1:], return_exceptions=True)
+            assert not any(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+            assert others[0].cancelled()
+
+
+async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
+    """A put cut off while its pieces were still going out: every future the connection made has its
+    outcome read (asyncio logged 'Future exception was never retrieved' for the flow-control ones)."""
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, ctx: seen.append(str(ctx.get("message"))))
+    try:
+        with ServerProcess("--capacity", "256MiB") as srv:
+            assert srv.proc is not None
+            kv = AsyncKVClient(srv.addr, namespace="lost", pool_size=1, timeout=30, retries=0)
+            try:
+                await kv.ping()
+                conn = kv.nodes[0].conns[0]
+                blocks = [os.urandom(1 << 20) for _ in range(160)]
+                os.kill(srv.proc.pid, signal.SIGSTOP)
+                put = asyncio.ensure_future(kv.put(make_keys("lost", 160), blocks))
+                for _ in range(100):  # the socket full: the put waits for it to drain
+                    await asyncio.sleep(0.01)
+                    if conn._can_write is not None:
+                        break
+                first = conn._can_write
+                assert first is not None
+                os.kill(srv.proc.pid, signal.SIGCONT)
+                for _ in range(100000):  # drained once and full again: the put now waits for its reply
+                    await asyncio.sleep(0)
+                    if conn._can_write not in (None, first):
+                        break
+                os.kill(srv.proc.pid, signal.SIGKILL)
+                assert not put.done()
+                with pytest.raises(TransportError):
+                    await put
+                assert not conn._out  # (the queued pieces, the caller's blocks, let go)
+            finally:
+                await kv.close()
+        del put, conn
+        gc.collect()
+        await asyncio.sleep(0.05)
+        gc.collect()
+        assert seen == []
+    finally:
+        loop.set_exception_handler(None)
