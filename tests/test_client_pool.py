@@ -399,6 +399,17 @@ async def _leases(servers: list[Any]) -> list[int]:
     return out
 
 
+async def _leases_settle(servers: list[Any], want: int = 0) -> list[int]:
+    """The servers' lease counts once they reach ``want`` each (leases given back in the
+    background), or as they are after 5 s."""
+    for _ in range(50):
+        counts = await _leases(servers)
+        if counts == [want] * len(servers):
+            break
+        await asyncio.sleep(0.1)
+    return counts
+
+
 async def test_a_sharded_pinned_lookup_longer_than_max_batch_leaves_only_the_chains_leases(
         make_server: MakeServer) -> None:
     """Each server pins its share's own prefix; the leases past the chain's end are dropped after, and
@@ -436,11 +447,7 @@ async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_ser
         finally:
             os.kill(stopped.proc.pid, signal.SIGCONT)
         # (given back in the background; were the up server's share: until the 10-minute lease ran out)
-        for _ in range(50):
-            if await _leases([up]) == [0]:
-                break
-            await asyncio.sleep(0.1)
-        assert await _leases([up]) == [0]
+        assert await _leases_settle([up]) == [0]
     finally:
         await kv.close()
 
@@ -461,11 +468,7 @@ async def test_a_pinned_lookup_cancelled_in_flight_gives_back_what_its_reply_say
                 await asyncio.wait_for(kv.lookup(keys[:8], pin=True, lease_ms=600_000), 0.3)
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        for _ in range(50):
-            if await _leases([srv]) == [0]:
-                break
-            await asyncio.sleep(0.1)
-        assert await _leases([srv]) == [0]
+        assert await _leases_settle([srv]) == [0]
         assert await kv.lookup(keys) == 12  # (and the client goes on)
     finally:
         await kv.close()
