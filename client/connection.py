@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import select
 import ssl
 import sys
 from collections import deque
@@ -58,6 +59,9 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._current: _Pending | None = None
         self._can_write: asyncio.Future[None] | None = None
         self._out: deque[Any] | None = None  # pieces waiting for an empty transport buffer (paced)
+        self._queued = self._handed = 0  # frame items given to _write / handed whole to the transport
+        self._pump_soon: asyncio.Handle | None = None
+        self._answer: Any = None  # (paced: a poll object on the socket)
         self.closed = False
         self.close_reason: KVStoreError | None = None
         self.hello: dict[str, Any] = {}
@@ -71,6 +75,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         if _joins_writes(transport):
             self._out = deque()
             transport.set_write_buffer_limits(high=0)  # resume_writing() whenever its buffer has drained
+            self._answer = select.poll()  # (has the server answered? see _pump)
+            self._answer.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._out is not None:
@@ -90,7 +96,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             while not self.closed:
                 event = self.reader.next_event()
                 if event is NEED_DATA:
-                    return
+                    break
                 if isinstance(event, Frame):
                     self._on_frame(event)
                 elif isinstance(event, PayloadDone):
@@ -99,6 +105,8 @@ class ClientConnection(asyncio.BufferedProtocol):
             self.abort(exc)
         except Exception as exc:  # e.g. a sink rejecting a size: the stream can't be trusted now
             self.abort(ProtocolError(f"client failed to handle a reply: {exc!r}"))
+        if self._out and self._pump_soon is None and not self.closed:
+            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
 
     def pause_writing(self) -> None:
         self._can_write = asyncio.get_running_loop().create_future()
@@ -118,19 +126,29 @@ class ClientConnection(asyncio.BufferedProtocol):
         if sum(map(len, frame)) <= PIECE:
             frame = [b"".join(frame)]  # (one send for a small request)
         self._out.extend(frame)
+        self._queued += len(frame)
         self._pump()
 
     def _pump(self) -> None:
-        """Hand the transport the next pieces while it sends each at once (nothing copied but
-        what the socket did not take of the last one)."""
+        """Hand the transport the next piece when its buffer is empty (nothing is copied but what
+        the socket did not take of it); the one after on the next loop turn, so that an answer
+        the server sends meanwhile (an error, before it closes) is read before the next send."""
+        self._pump_soon = None
         out, transport = self._out, self.transport
         assert out is not None and transport is not None
-        while out and not transport.get_write_buffer_size() and not transport.is_closing():
-            piece = memoryview(out.popleft()).cast("B")
-            if len(piece) > PIECE:
-                out.appendleft(piece[PIECE:])
-                piece = piece[:PIECE]
-            transport.write(piece)
+        if not out or transport.get_write_buffer_size() or transport.is_closing():
+            return
+        if self._answer.poll(0):  # read it first (buffer_updated pumps on): a server that refuses
+            return  # a request answers, then closes; a send after that is reset, losing the answer
+        piece = memoryview(out.popleft()).cast("B")
+        if len(piece) > PIECE:
+            out.appendleft(piece[PIECE:])
+            piece = piece[:PIECE]
+        else:
+            self._handed += 1  # (the item's last piece)
+        transport.write(piece)
+        if out and not transport.get_write_buffer_size() and self._pump_soon is None:
+            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)  # (else resume_writing pumps)
 
     # -- replies
     def _on_frame(self, frame: Frame) -> None:
@@ -186,6 +204,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         per request (measured: ~20 us of client CPU per request here).
         """
         fut = self._send(msg, payload, payload_len, make_sink)
+        end = self._queued if self._out is not None else None  # (paced: its last item's number)
         timer = fut.get_loop().call_later(timeout, self._time_out, fut, timeout) if timeout else None
         try:
             if self._can_write is not None:  # (shared by every request waiting: one's cancel is not the others')
@@ -201,6 +220,10 @@ class ClientConnection(asyncio.BufferedProtocol):
         finally:
             if timer is not None:
                 timer.cancel()
+            if end is not None and self._handed < end and not self.closed:
+                # Answered (refused) before all of it was handed over: the rest is the caller's
+                # memory, not to be read once this returns. (A reply comes after the payload.)
+                self.abort(TransportError("the server answered before the request was sent; connection discarded"))
 
     def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
@@ -246,6 +269,8 @@ class ClientConnection(asyncio.BufferedProtocol):
     def abort(self, reason: KVStoreError) -> None:
         if self.close_reason is None:
             self.close_reason = reason
+        if self._out:
+            self._out.clear()  # (callers' buffers: let go now, not at connection_lost)
         self._fail_all(reason)
         if self.transport is not None:
             self.transport.abort()

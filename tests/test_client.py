@@ -396,3 +396,37 @@ async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
         assert seen == []
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_a_request_the_server_refuses_before_its_payload_gets_the_servers_answer() -> None:
+    """A server that refuses a frame answers at once and closes; the client, still sending, used to
+    be reset mid-send and report 'connection reset by peer' without reading the answer; and a
+    request answered before all of it was sent returned while its payload (the caller's memory)
+    was still queued to go out."""
+    from kvstore.client.connection import open_connection
+    from kvstore.errors import ProtocolError
+    from kvstore.messages import Put
+    from kvstore.protocol import Limits
+
+    block = bytearray(os.urandom(64 << 20))
+    with ServerProcess("--capacity", "128MiB", "--max-frame-size", "4MiB") as srv:
+        for _ in range(5):
+            conn = await open_connection("127.0.0.1", srv.port, namespace="early", token=None, tls=None,
+                                         limits=Limits(), timeout=5)
+            try:
+                with pytest.raises(ProtocolError, match="over the limit"):
+                    await conn.request(Put(keys=make_keys("big", 1), sizes=[len(block)]), [memoryview(block)],
+                                       timeout=30)
+            finally:
+                await conn.aclose()
+    with ServerProcess("--capacity", "128MiB") as srv:
+        conn = await open_connection("127.0.0.1", srv.port, namespace="early", token=None, tls=None,
+                                     limits=Limits(), timeout=5)
+        try:
+            with pytest.raises(InvalidRequest, match="sizes add up to 1"):  # answered, the payload skipped
+                await conn.request(Put(keys=make_keys("bad", 1), sizes=[1]), [memoryview(block)], timeout=30)
+            assert not conn._out  # nothing of the caller's left to send
+            if conn._out is not None:  # (paced) the rest of its frame was never sent: the stream is out of step
+                assert conn.closed
+        finally:
+            await conn.aclose()
