@@ -105,8 +105,8 @@ class ClientConnection(asyncio.BufferedProtocol):
             self.abort(exc)
         except Exception as exc:  # e.g. a sink rejecting a size: the stream can't be trusted now
             self.abort(ProtocolError(f"client failed to handle a reply: {exc!r}"))
-        if self._out and self._pump_soon is None and not self.closed:
-            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
+        if self._out and not self.closed:
+            self._pump_later()
 
     def pause_writing(self) -> None:
         self._can_write = asyncio.get_running_loop().create_future()
@@ -123,7 +123,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         if self._out is None:
             self.transport.writelines(frame)
             return
-        if sum(map(len, frame)) <= PIECE:
+        if sum(v.nbytes for v in frame) <= PIECE:
             frame = [b"".join(frame)]  # (one send for a small request)
         self._out.extend(frame)
         self._queued += len(frame)
@@ -133,22 +133,29 @@ class ClientConnection(asyncio.BufferedProtocol):
         """Hand the transport the next piece when its buffer is empty (nothing is copied but what
         the socket did not take of it); the one after on the next loop turn, so that an answer
         the server sends meanwhile (an error, before it closes) is read before the next send."""
-        self._pump_soon = None
         out, transport = self._out, self.transport
         assert out is not None and transport is not None
         if not out or transport.get_write_buffer_size() or transport.is_closing():
             return
         if self._answer.poll(0):  # read it first (buffer_updated pumps on): a server that refuses
             return  # a request answers, then closes; a send after that is reset, losing the answer
-        piece = memoryview(out.popleft()).cast("B")
+        piece = out.popleft()
         if len(piece) > PIECE:
             out.appendleft(piece[PIECE:])
             piece = piece[:PIECE]
         else:
             self._handed += 1  # (the item's last piece)
         transport.write(piece)
-        if out and not transport.get_write_buffer_size() and self._pump_soon is None:
-            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)  # (else resume_writing pumps)
+        if out and not transport.get_write_buffer_size():  # (else resume_writing pumps)
+            self._pump_later()
+
+    def _pump_later(self) -> None:
+        if self._pump_soon is None:
+            self._pump_soon = asyncio.get_running_loop().call_soon(self._pumped)
+
+    def _pumped(self) -> None:
+        self._pump_soon = None
+        self._pump()
 
     # -- replies
     def _on_frame(self, frame: Frame) -> None:
@@ -251,6 +258,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
         try:
             frame = encode(msg, rid, payload, payload_len)
+            if self._out is not None:  # (paced: pieces are cut from flat byte views; empty ones never go)
+                frame = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

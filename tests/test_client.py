@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Callable
 
 import pytest
@@ -430,3 +431,30 @@ async def test_a_request_the_server_refuses_before_its_payload_gets_the_servers_
                 assert conn.closed
         finally:
             await conn.aclose()
+
+
+async def test_a_put_ending_in_an_empty_block_keeps_its_connection() -> None:
+    """Its empty last block was queued as a piece of its own and counted as sent a loop turn after
+    the server, which needs no byte of it, had answered: the connection was dropped as if the put
+    had been refused half-sent, and the request queued behind it failed."""
+    async def busy(stop: asyncio.Event) -> None:  # other work on the loop: an engine's step, 2 ms at a time
+        while not stop.is_set():
+            time.sleep(0.002)
+            await asyncio.sleep(0)
+
+    stop = asyncio.Event()
+    other = asyncio.ensure_future(busy(stop))
+    try:
+        with ServerProcess("--capacity", "128MiB") as srv:
+            async with AsyncKVClient(srv.addr, namespace="tail", pool_size=1, retries=0, timeout=10) as kv:
+                await kv.ping()
+                conn = kv.nodes[0].conns[0]
+                for trial in range(10):
+                    put = asyncio.ensure_future(kv.put(make_keys(f"tail{trial}", 2), [os.urandom((2 << 20) + 1), b""]))
+                    await asyncio.sleep(0.001)
+                    queued = asyncio.ensure_future(kv.exists(make_keys("absent", 1)))
+                    assert (await put).stored == 2 and await queued == [False]
+                assert kv.nodes[0].conns == [conn] and not conn.closed
+    finally:
+        stop.set()
+        await other
