@@ -458,3 +458,26 @@ async def test_a_put_ending_in_an_empty_block_keeps_its_connection() -> None:
     finally:
         stop.set()
         await other
+
+
+async def test_a_non_contiguous_payload_is_refused_at_send_on_the_stock_loop() -> None:
+    """The low-level request() with ``payload_len`` takes views as given; on the paced transport a
+    non-contiguous one raised inside the pump after the header had gone, and the request hung."""
+    if sys.version_info >= (3, 12):
+        pytest.skip("the stock transport sends a list as it is from Python 3.12: no pacing to test")
+    from kvstore.client.connection import open_connection
+    from kvstore.messages import Put
+    from kvstore.protocol import Limits
+
+    view = memoryview(bytearray(4 << 20))[::2]
+    with ServerProcess("--capacity", "64MiB") as srv:
+        conn = await open_connection("127.0.0.1", srv.port, namespace="flat", token=None, tls=None,
+                                     limits=Limits(), timeout=5)
+        try:
+            with pytest.raises(InvalidRequest, match="contiguous"):
+                await conn.request(Put(keys=make_keys("flat", 1), sizes=[len(view)]), [view],
+                                   payload_len=len(view), timeout=5)
+            assert not conn.closed and not conn._out  # refused before anything was queued: the connection goes on
+            assert (await conn.request(Ping(), timeout=5)).fields == {}
+        finally:
+            await conn.aclose()
