@@ -257,9 +257,9 @@ class ClientConnection(asyncio.BufferedProtocol):
             raise self.close_reason or TransportError("connection is closed")
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
         try:
-            frame = encode(msg, rid, payload, payload_len)
-            if self._out is not None:  # (paced: pieces are cut from flat byte views; empty ones never go)
-                frame = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
+            # Flat byte views (a non-contiguous one is refused here, whichever transport; the paced
+            # writer cuts pieces from them); empty ones never go.
+            frame = [v for v in (memoryview(p).cast("B") for p in encode(msg, rid, payload, payload_len)) if v.nbytes]
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

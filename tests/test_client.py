@@ -463,8 +463,6 @@ async def test_a_put_ending_in_an_empty_block_keeps_its_connection() -> None:
 async def test_a_non_contiguous_payload_is_refused_at_send_on_the_stock_loop() -> None:
     """The low-level request() with ``payload_len`` takes views as given; on the paced transport a
     non-contiguous one raised inside the pump after the header had gone, and the request hung."""
-    if sys.version_info >= (3, 12):
-        pytest.skip("the stock transport sends a list as it is from Python 3.12: no pacing to test")
     from kvstore.client.connection import open_connection
     from kvstore.messages import Put
     from kvstore.protocol import Limits
