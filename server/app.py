@@ -221,9 +221,11 @@ class Server:
         while True:
             await asyncio.sleep(1.0)
             self.store.expire_leases()
-            self.service.shm.expire()  # read pins of a client that hangs mid-copy
+            expired = self.service.shm.expire()  # read pins of a client that hangs mid-copy
             for conn in list(self.connections):
                 conn.release_sent()  # replies read by a client that sends nothing more
+                if expired:
+                    conn.update_idle()  # a drain waiting only for those pins ends now
             if self.tier is not None:
                 await self.tier.check_health()  # notices outages and recoveries (with back-off)
 

@@ -138,7 +138,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.resume_reading()
                 self._process()  # frames that were already buffered when reading paused
         self._poll()  # the reply is out: between requests now, unless more was written
-        self._update_idle()
+        self.update_idle()
 
     def _poll(self) -> None:
         """Busy polling (server/poll.py): open the server's window between requests; close it while a
@@ -171,7 +171,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._on_frame(event)
             elif isinstance(event, PayloadDone):
                 self._on_payload_done(event)
-        self._update_idle()
+        self.update_idle()
 
     def _on_frame(self, frame: Frame) -> None:
         t0 = time.perf_counter()
@@ -228,7 +228,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
-        self._update_idle()
+        self.update_idle()
 
     def _on_payload_done(self, event: PayloadDone) -> None:
         if self.put_sink is not None and event.request_id == self.put_rid:
@@ -303,7 +303,9 @@ class Connection(asyncio.BufferedProtocol):
         while unsent and unsent[0][0] <= sent:
             self.service.release(unsent.popleft()[1])
 
-    def _update_idle(self) -> None:
+    def update_idle(self) -> None:
+        """Set or clear ``idle``; a draining connection with nothing left to do closes. Called
+        after each event here, and by the server when its shm pins expire."""
         busy = (self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)
                 or self.service.shm.busy(self.session))  # a drain waits for shm copies to be released
         if busy:
@@ -338,7 +340,7 @@ class Connection(asyncio.BufferedProtocol):
     def start_drain(self) -> None:
         """Finish the request in progress, flush its reply, then close."""
         self.draining = True
-        self._update_idle()
+        self.update_idle()
 
     def check_timeouts(self, now: float, idle_timeout: float, frame_timeout: float) -> None:
         """Called about once a second: close a silent connection, drop one stuck mid-frame

@@ -129,7 +129,7 @@ class PutSink:
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
         if self.tier is None:
-            return self._fields()
+            return self.fields()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
         for i, st in enumerate(self.status):
@@ -137,7 +137,7 @@ class PutSink:
             if fut is not None:
                 others[i] = fut
         if not stored_idx and not others:
-            return self._fields()
+            return self.fields()
         mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
         for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
             self.tier_writes[(self.ns, keys[i])] = mine
@@ -161,7 +161,7 @@ class PutSink:
             if error is not None:  # gone from memory again: the client must store it again
                 self.status[i] = error.code
                 self.errors[i] = str(error)
-        return self._fields()
+        return self.fields()
 
     async def _write_to_tier(self, idx: list[int]) -> Unavailable | None:
         """Hand the blocks ``idx`` to the tier; on failure drop them from memory and return the error."""
@@ -187,7 +187,8 @@ class PutSink:
                     self.store.release(ref)
         return None
 
-    def _fields(self) -> Fields:
+    def fields(self) -> Fields:
+        """The per-key statuses (and error messages) as they stand."""
         fields: Fields = {"status": self.status}
         if self.errors:
             fields["errors"] = {str(i): m for i, m in self.errors.items()}

@@ -297,8 +297,13 @@ class ShmService:
         return res
 
     # -- SHM_PUT / SHM_COMMIT
-    def put(self, session: Session, msg: ShmPut) -> Fields:
-        """Reserve a slot per new key; the client writes them, then commits."""
+    def put(self, session: Session, msg: ShmPut) -> Fields | Awaitable[Fields]:
+        """Reserve a slot per new key; the client writes them, then commits.
+
+        With nothing reserved the client has nothing to commit, so this answer
+        is the put's acknowledgement: like a socket PUT's, it waits for the
+        tier writes other PUTs still have running for keys it found stored.
+        """
         st = self._session(session)
         put = Put(keys=msg.keys, sizes=msg.sizes, parent=msg.parent)
         sink = self.service.begin_put(session, put)  # (shares the service's pending tier writes)
@@ -308,11 +313,15 @@ class ShmService:
             res = sink.reserve(i)  # the client writes the pages itself: no views needed
             locs.append(None if res is None else extent_locs(res.extent, size, page_size))
         self.counters["puts"] += 1
-        handle = st.add(_PutGrant(sink)) if any(r is not None for r in sink.reservations) else 0
-        fields: Fields = {"handle": handle, "status": sink.status, "locs": locs}
-        if sink.errors:
-            fields["errors"] = {str(i): m for i, m in sink.errors.items()}
-        return fields
+        if any(r is not None for r in sink.reservations):
+            return {"handle": st.add(_PutGrant(sink)), "locs": locs, **sink.fields()}
+        done = sink.commit()  # nothing to publish: only waits for pending tier writes of "existed" keys
+        if isinstance(done, dict):
+            return {"handle": 0, "locs": locs, **done}
+
+        async def acknowledged() -> Fields:
+            return {"handle": 0, "locs": locs, **await done}
+        return acknowledged()
 
     def commit(self, session: Session, msg: ShmCommit) -> Fields | Awaitable[Fields]:
         """Publish an SHM_PUT's slots with the checksums the client computed while writing.

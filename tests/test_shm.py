@@ -211,6 +211,19 @@ async def test_read_pins_time_out_and_the_copy_is_refused(make_server: MakeServe
         assert [bytes(b) for b in await kv.get([k])] == [data(k, 5000)]  # a normal read is unaffected
 
 
+async def test_a_drain_ends_when_the_only_pins_it_waits_for_expire(make_server: MakeServer, unix_path: str) -> None:
+    """A client that hangs mid-copy holds read pins; once they expire nothing is left to drain."""
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--lease-seconds", "0.5", "--drain-seconds", "60")
+    k = key(1, "drain")
+    async with AsyncKVClient(unix(unix_path), namespace="d") as kv:
+        await kv.put([k], [data(k, 5000)])
+        await shm_locate(kv, [k])  # pinned, never released
+        assert (await kv.stats())["shm"]["open_handles"] == 1
+        code = await asyncio.to_thread(srv.stop, timeout=20)  # (the drain waited out its 60 s)
+    assert code == 0, "".join(srv.log[-5:])
+    assert not any("drain timed out" in line for line in srv.log), "".join(srv.log[-5:])
+
+
 # ---------------------------------------------------------------- a client killed mid-put
 
 _KILLED_WRITER = textwrap.dedent("""

@@ -73,13 +73,24 @@ async def racing_puts(a: AsyncKVClient, b: AsyncKVClient, redis: RedisProcess, k
     return first, second
 
 
-async def test_put_of_a_key_whose_tier_write_is_pending_shares_its_outcome(make_redis, make_server) -> None:
+def second_putter(srv: ServerProcess, unix_path: str, via: str) -> tuple[AsyncKVClient, int]:
+    """B, and the size of its block: over shared memory, one that goes through the arena (an
+    SHM_PUT that finds the key stored reserves nothing, and its answer is the acknowledgement)."""
+    if via == "shm":
+        return AsyncKVClient(f"unix:{unix_path}", namespace=NS, retries=0), 3 << 20
+    return AsyncKVClient(srv.addr, namespace=NS, retries=0), 16
+
+
+@pytest.mark.parametrize("via", ["tcp", "shm"])
+async def test_put_of_a_key_whose_tier_write_is_pending_shares_its_outcome(make_redis, make_server, unix_path: str,
+                                                                          via: str) -> None:
     redis = make_redis()
-    srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--unix", unix_path, *SLOW)
     [key] = chain(1, "dedup")
-    [data] = blocks([key], 16)
-    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
-            AsyncKVClient(srv.addr, namespace=NS, retries=0) as b:
+    b, size = second_putter(srv, unix_path, via)
+    [data] = blocks([key], size)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, b:
+        assert (b.nodes[0].shm is not None) == (via == "shm")
         redis.cli("CLIENT", "PAUSE", "60000", "WRITE")
         first, second = await racing_puts(a, b, redis, key, data)
         redis.stop(signal.SIGKILL)  # A's write fails: its block leaves memory again
@@ -91,13 +102,16 @@ async def test_put_of_a_key_whose_tier_write_is_pending_shares_its_outcome(make_
         assert await b.exists([key]) == [False]  # memory kept nothing unacknowledged
 
 
-async def test_put_of_a_key_whose_tier_write_is_pending_waits_for_success(make_redis, make_server) -> None:
+@pytest.mark.parametrize("via", ["tcp", "shm"])
+async def test_put_of_a_key_whose_tier_write_is_pending_waits_for_success(make_redis, make_server, unix_path: str,
+                                                                         via: str) -> None:
     redis = make_redis()
-    srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--unix", unix_path, *SLOW)
     [key] = chain(1, "dedup-ok")
-    [data] = blocks([key], 16)
-    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
-            AsyncKVClient(srv.addr, namespace=NS, retries=0) as b:
+    b, size = second_putter(srv, unix_path, via)
+    [data] = blocks([key], size)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, b:
+        assert (b.nodes[0].shm is not None) == (via == "shm")
         with paused_writes(redis):
             first, second = await racing_puts(a, b, redis, key, data)
         assert (await first).stored == 1
