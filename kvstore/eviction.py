@@ -20,14 +20,20 @@ the store owns the blocks, pins and leases. Contract of :class:`EvictionPolicy`:
   evicted before every live key; stranded keys leave in demotion order.
 - ``evict(protected)``: pick exactly one key for which ``protected(key)`` is
   false, drop it from the resident structures and return it -- or return
-  ``None`` and change nothing. Protected keys are skipped where they stand, so
-  a few pinned keys cost a few extra steps, never a rescan per key.
-- ``len(policy)`` and ``key in policy`` count resident keys (live and stranded).
+  ``None``. A protected key it passes over is set aside until ``released``,
+  so however many keys are pinned, each costs one step, not one per eviction.
+- ``released(key)``: ``key`` is no longer protected. Set aside, it goes back
+  to the back of its list, as if just used (it was in use: leased for a load,
+  or being read). Otherwise nothing happens; the store calls it whenever a
+  block's last pin ends. A set-aside key that is touched is placed at once.
+- ``len(policy)`` and ``key in policy`` count resident keys (live, stranded
+  and set aside).
 
 Policies are chosen by name: :data:`POLICIES` and :func:`make_policy`.
 vLLM's ``vllm/v1/kv_offload`` (LRU and ARC behind one cache-policy interface,
 "evict exactly n, skipping protected keys, or return None and change
-nothing") is the precedent; chain order and stranding are kvstore's own.
+nothing") is the precedent; chain order, stranding and setting pinned keys
+aside are kvstore's own.
 """
 
 from __future__ import annotations
@@ -108,16 +114,23 @@ class _Order(Generic[K]):
         self._prev[after] = before
         return True
 
-    def pop_victim(self, protected: Callable[[K], bool]) -> K | None:
-        """Unlink and return the front-most unprotected key, or None."""
+    def pop_victim(self, protected: Callable[[K], bool], aside: dict[K, Any]) -> K | None:
+        """Unlink and return the front-most unprotected key, or None; the protected keys
+        before it are unlinked too, into ``aside`` (key -> this order)."""
         nxt = self._next
         key = nxt[_END]
         while key is not _END:
+            after = nxt[key]
+            self.discard(key)
             if not protected(key):
-                self.discard(key)
                 return key  # type: ignore[no-any-return]
-            key = nxt[key]
+            aside[key] = self
+            key = after
         return None
+
+    def append(self, key: K) -> None:
+        """Link ``key`` (not a member) at the back."""
+        self.insert_before(key, _END)
 
     def __iter__(self) -> Any:
         key = self._next[_END]
@@ -126,13 +139,20 @@ class _Order(Generic[K]):
             key = self._next[key]
 
 
-def _pop_first(keys: dict[K, Any], protected: Callable[[K], bool]) -> K | None:
-    """Remove and return the first unprotected key of an insertion-ordered dict."""
-    for key in keys:
-        if not protected(key):
-            del keys[key]  # safe: the loop ends here
-            return key
-    return None
+class _Queue(OrderedDict):  # type: ignore[type-arg]
+    """The stranded keys, first demoted first out."""
+
+    def pop_victim(self, protected: Callable[[Any], bool], aside: dict[Any, Any]) -> Any:
+        """As :meth:`_Order.pop_victim`."""
+        while self:
+            key, _ = self.popitem(last=False)
+            if not protected(key):
+                return key
+            aside[key] = self
+        return None
+
+    def append(self, key: Any) -> None:
+        self[key] = None
 
 
 class EvictionPolicy(ABC, Generic[K]):
@@ -158,7 +178,11 @@ class EvictionPolicy(ABC, Generic[K]):
 
     @abstractmethod
     def evict(self, protected: Callable[[K], bool]) -> K | None:
-        """Remove and return one unprotected key, or return None and change nothing."""
+        """Remove and return one unprotected key (setting aside the protected keys passed over), or None."""
+
+    @abstractmethod
+    def released(self, key: K) -> None:
+        """``key`` is no longer protected: a key set aside goes back, as just used."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -170,10 +194,30 @@ class EvictionPolicy(ABC, Generic[K]):
 
 
 class _ChainPolicy(EvictionPolicy[K]):
-    """What LRU and ARC share: the stranded queue and chain-ordered placement."""
+    """What LRU and ARC share: the stranded queue, the keys set aside, chain-ordered placement."""
 
     def __init__(self) -> None:
-        self._stranded: dict[K, None] = {}  # FIFO: the first demoted leaves first
+        self._stranded = _Queue()  # FIFO: the first demoted leaves first
+        self._aside: dict[K, Any] = {}  # protected keys evict() passed over -> the list they left
+
+    def released(self, key: K) -> None:
+        home = self._aside.pop(key, None)
+        if home is not None:
+            home.append(key)
+
+    def __len__(self) -> int:
+        return self._resident() + len(self._aside)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._aside or self._holds(key)
+
+    @abstractmethod
+    def _resident(self) -> int:
+        """Keys in the lists (not set aside)."""
+
+    @abstractmethod
+    def _holds(self, key: object) -> bool:
+        """Whether ``key`` is in one of the lists."""
 
     def _place(self, order: _Order[K], keys: Iterable[K], anchor: Any, take: Callable[[K], bool]) -> None:
         """Put ``keys`` into ``order``: the first just before ``anchor``, each
@@ -188,10 +232,16 @@ class _ChainPolicy(EvictionPolicy[K]):
             anchor = key
 
     def _evict_stranded(self, protected: Callable[[K], bool]) -> K | None:
-        return _pop_first(self._stranded, protected)
+        return self._stranded.pop_victim(protected, self._aside)  # type: ignore[no-any-return]
 
     def _unstrand(self, key: K) -> bool:
-        return self._stranded.pop(key, _END) is not _END
+        """Take ``key`` out of the stranded queue, or from the keys set aside."""
+        return self._stranded.pop(key, _END) is not _END or self._aside.pop(key, _END) is not _END
+
+    def _demote_aside(self, key: K) -> None:
+        """A set-aside key stranded meanwhile goes back to the stranded queue when released."""
+        if key in self._aside:
+            self._aside[key] = self._stranded
 
 
 class LRUPolicy(_ChainPolicy[K]):
@@ -203,10 +253,10 @@ class LRUPolicy(_ChainPolicy[K]):
         super().__init__()
         self._live: _Order[K] = _Order()
 
-    def __len__(self) -> int:
+    def _resident(self) -> int:
         return len(self._live) + len(self._stranded)
 
-    def __contains__(self, key: object) -> bool:
+    def _holds(self, key: object) -> bool:
         return key in self._live or key in self._stranded
 
     def add(self, key: K, parent: K | None = None) -> None:
@@ -225,11 +275,13 @@ class LRUPolicy(_ChainPolicy[K]):
     def demote(self, key: K) -> None:
         if self._live.discard(key):
             self._stranded[key] = None
+        else:
+            self._demote_aside(key)
 
     def evict(self, protected: Callable[[K], bool]) -> K | None:
         victim = self._evict_stranded(protected)
         if victim is None:
-            victim = self._live.pop_victim(protected)
+            victim = self._live.pop_victim(protected, self._aside)
         return victim
 
     def _anchor(self, parent: K | None) -> Any:
@@ -262,10 +314,10 @@ class ARCPolicy(_ChainPolicy[K]):
         self._b2: OrderedDict[K, None] = OrderedDict()
         self.p: float = 0.0  # target size of T1, in blocks
 
-    def __len__(self) -> int:
+    def _resident(self) -> int:
         return len(self._t1) + len(self._t2) + len(self._stranded)
 
-    def __contains__(self, key: object) -> bool:
+    def _holds(self, key: object) -> bool:
         return key in self._t1 or key in self._t2 or key in self._stranded
 
     def ghosts(self) -> tuple[int, int]:
@@ -302,6 +354,8 @@ class ARCPolicy(_ChainPolicy[K]):
     def demote(self, key: K) -> None:
         if self._t1.discard(key) or self._t2.discard(key):
             self._stranded[key] = None
+        else:
+            self._demote_aside(key)
 
     def evict(self, protected: Callable[[K], bool]) -> K | None:
         victim = self._evict_stranded(protected)
@@ -313,7 +367,7 @@ class ARCPolicy(_ChainPolicy[K]):
         else:
             lists = ((self._t2, self._b2), (self._t1, self._b1))
         for resident, ghosts in lists:
-            victim = resident.pop_victim(protected)
+            victim = resident.pop_victim(protected, self._aside)
             if victim is not None:
                 ghosts[victim] = None
                 self._trim_ghosts(size)

@@ -490,6 +490,7 @@ class BlockStore:
             elif block.leases is None:  # it was pinned by its readers alone
                 self._pinned_pages -= block.pages
                 self._pinned_blocks -= 1
+                self._policy.released(block.pkey)
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         """A copy of a block's bytes, or None (touches it like a read)."""
@@ -724,6 +725,8 @@ class BlockStore:
             pages = block.pages
             self._pinned_pages += pages if now else -pages
             self._pinned_blocks += 1 if now else -1
+            if not now:
+                self._policy.released(block.pkey)
 
     def _add_leases(self, ns: str, keys: list[bytes], blocks: list[_Block], deadline: float) -> None:
         """One lease until ``deadline`` on each block (the blocks of ``keys``; one

@@ -446,6 +446,30 @@ def test_pinned_blocks_survive_eviction(policy: str, clock: FakeClock) -> None:
     assert (stats["pinned_blocks"], stats["leases"]) == (2, 2)
 
 
+@pytest.mark.parametrize("unpinned_by", ["unpin", "expiry", "release"])
+def test_blocks_eviction_passed_over_while_pinned_are_evictable_once_unpinned(clock: FakeClock, unpinned_by: str) -> None:
+    """LRU: the new batch at the end evicts all that came before (ARC would evict its own blocks first)."""
+    store = make("lru", 4, clock, lease_s=10.0)
+    put_batch(store, [0, 1])
+    put_batch(store, [2, 3])
+    if unpinned_by == "release":
+        refs = store.acquire_many(NS, [k(0), k(1)])
+    else:
+        assert store.lookup(NS, [k(0), k(1)], pin=True) == 2
+    assert store.lookup(NS, [k(2), k(3)]) == 2  # read since: [0 1] are the next victims
+    put_batch(store, [4, 5])  # passes [0 1] over
+    assert present(store, range(2)) == [0, 1]
+    if unpinned_by == "unpin":
+        assert store.unpin(NS, [k(0), k(1)]) == 2
+    elif unpinned_by == "expiry":
+        clock.now = 10.0  # (seen by the next eviction)
+    else:
+        store.release_many(refs)
+    assert put_batch(store, [6, 7, 8, 9]) == [True] * 4  # every older block is evictable again
+    assert present(store, range(10)) == [6, 7, 8, 9]
+    assert store.stats()["pinned_blocks"] == 0
+
+
 def test_lease_expiry_releases_the_pin(policy: str, clock: FakeClock) -> None:
     store = make(policy, 2, clock, lease_s=10.0)
     put_batch(store, [0, 1])
