@@ -189,7 +189,7 @@ class Connection(asyncio.BufferedProtocol):
             if isinstance(msg, Put):
                 self.put_sink = self.service.begin_put(self.session, msg)
                 self.put_rid, self.put_t0 = frame.request_id, t0
-                self.reader.set_sink(self.put_sink)  # (it sees empty blocks at once: they are stored too)
+                self.reader.set_sink(self.put_sink)  # (it notes empty blocks at once; they are stored at the commit)
                 if not frame.payload_len:
                     self._finish_put()
                 return

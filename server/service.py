@@ -81,7 +81,10 @@ class PutSink:
     """Receives a PUT's blocks straight into store reservations, one block at a time.
 
     A block whose key is already stored (dedup) or that does not fit is
-    dropped as it arrives; its per-key status says why.
+    dropped as it arrives; its per-key status says why. A stored one stays
+    pinned until the commit, so that the batch's later blocks cannot evict
+    what the reply will call "existed". Empty blocks are reserved at the
+    commit: a frame that never arrives whole costs no page for them.
     """
 
     def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None,
@@ -92,8 +95,13 @@ class PutSink:
         self.status: list[int] = [STORED] * len(msg.keys)
         self.errors: dict[int, str] = {}
         self.reservations: list[Reservation | None] = [None] * len(msg.keys)
+        self.existing: list[BlockRef] = []  # pinned until the commit
+        self.empty: list[int] = []  # reserved at the commit
 
     def target(self, i: int) -> list[memoryview] | None:
+        if not self.sizes[i]:
+            self.empty.append(i)
+            return None
         res = self.reserve(i)
         return None if res is None else res.views
 
@@ -111,6 +119,9 @@ class PutSink:
             return None
         if res is None:
             self.status[i] = EXISTED
+            ref = self.store.acquire(self.ns, self.msg.keys[i])
+            if ref is not None:
+                self.existing.append(ref)
             return None
         self.reservations[i] = res
         return res
@@ -123,11 +134,15 @@ class PutSink:
         the block leaves memory again. Such keys wait for that write's outcome.
         """
         keys = self.msg.keys
+        for i in self.empty:
+            self.reserve(i)
+        self.empty = []
         for i, res in enumerate(self.reservations):
             if res is not None:
                 stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
+        self._release_existing()
         if self.tier is None:
             return self.fields()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
@@ -199,6 +214,12 @@ class PutSink:
         for res in self.reservations:
             if res is not None:
                 self.store.abort(res)
+        self.reservations = []
+        self._release_existing()
+
+    def _release_existing(self) -> None:
+        existing, self.existing = self.existing, []
+        self.store.release_many(existing)
         self.reservations = []
 
 

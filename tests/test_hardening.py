@@ -321,6 +321,28 @@ async def test_random_frame_fuzz_leaves_server_serving_with_acked_blocks_intact(
     assert not any(MARKER.decode() in line for line in srv.log)
 
 
+async def test_empty_blocks_in_a_put_that_never_arrives_whole_evict_nothing(make_server) -> None:
+    """A PUT header naming 1000 empty blocks and one of 2 bytes, then 1 byte: the frame never
+    completes. Empty blocks are reserved at the commit, so it holds one page (each took a page as
+    the header arrived, evicting the cache for a frame that was never going to be stored)."""
+    srv = make_server("--capacity", "8MiB", "--page-size", "64KiB")  # 128 pages
+    victims = [key(i, "victim") for i in range(100)]
+    liar = Put(keys=[key(i, "empty") for i in range(1001)], sizes=[0] * 1000 + [2])
+    async with AsyncKVClient(srv.addr, namespace="v") as kv:
+        await kv.put(victims, [b"v" * 1000] * len(victims))
+        _, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"".join(bytes(b) for b in encode(liar, 1, payload_len=2)) + b"x")
+        deadline = time.monotonic() + 10
+        while (stats := await kv.stats())["store"]["reserved_bytes"] == 0:  # the 2-byte block's first byte came
+            assert time.monotonic() < deadline, "the server never reserved the 2-byte block"
+            await asyncio.sleep(0.02)
+        assert stats["store"]["reserved_bytes"] == 64 << 10
+        assert stats["store"]["evictions"] == 0
+        assert await kv.exists(victims) == [True] * len(victims)
+        w.close()
+    # (the empty blocks of a PUT that arrives whole are stored: test_server, test_empty_blocks_...)
+
+
 async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goes_on(make_server) -> None:
     """A PUT whose sizes hold a list nested 1000 deep (msgpack allows it; Python's repr does not)
     used to end in an internal error and a closed connection."""

@@ -129,6 +129,25 @@ async def test_capacity_error_is_typed_and_carries_partial_outcome(make_server) 
         assert isinstance(info.value, kvstore.KVStoreError)
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+async def test_a_put_never_evicts_what_its_reply_calls_existed(make_server, policy: str) -> None:
+    """A whole prompt stored again, its prefix present, in a full store: the new blocks may evict
+    other chains, never that prefix (the reply said "existed" for a block then gone, and the
+    blocks stored behind it could not be reached)."""
+    srv = make_server("--capacity", "256KiB", "--page-size", "64KiB", "--eviction", policy)  # 4 blocks
+    a, b, c, d, e, z = (key(i, "prompt") for i in range(6))
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put([a, b, c], [b"p" * 1000] * 3)
+        await kv.put([z], [b"z" * 1000])
+        await kv.get([a, b, c])
+        with pytest.raises(CapacityError) as info:
+            await kv.put([a, b, c, d, e], [b"p" * 1000] * 5)
+        assert info.value.result.statuses == ["existed", "existed", "existed", "stored", "failed"]
+        assert await kv.exists([a, b, c, d, z]) == [True, True, True, True, False]
+        assert await kv.lookup([a, b, c, d]) == 4
+        assert (await kv.stats())["store"]["pinned_blocks"] == 0
+
+
 async def test_get_into_wrong_size_buffer_is_refused_and_connection_stays_usable(server) -> None:
     k = key(1, "size")
     async with AsyncKVClient(server.addr, pool_size=1) as kv:
