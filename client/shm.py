@@ -82,6 +82,7 @@ class ShmSegment:
         Raises:
             ProtocolError: a range outside the mapping, or ranges that overlap (never trust an
                 offset blindly; nor a block that names the same bytes many times over).
+            TransportError: the mapping was closed (with the client).
         """
         if not isinstance(loc, list):
             raise ProtocolError("malformed shm location")
@@ -92,7 +93,10 @@ class ShmSegment:
         spans = sorted(loc)
         if any(nxt[0] < cur[0] + cur[1] for cur, nxt in zip(spans, spans[1:])):
             raise ProtocolError("a shm location's ranges overlap")
-        return [self.buffer[start:start + n] for start, n in loc]
+        try:
+            return [self.buffer[start:start + n] for start, n in loc]
+        except ValueError:  # released: the client was closed meanwhile
+            raise TransportError("the shared arena is no longer mapped (the client was closed)") from None
 
     def close(self) -> None:
         """Unmap (left to the garbage collector if a view of it is still alive somewhere)."""
@@ -487,7 +491,9 @@ async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None
     if node.shm is not None:
         if node.shm.segment.instance == instance:
             return node.shm
-        node.shm.segment.close()  # the server restarted (with shm or not): its old arena is gone for us too
+        # The server was replaced (with shm or not): new operations leave its arena. Not unmapped
+        # here: a read still waiting on an old connection (a server draining) copies out of it
+        # when its answer comes; the mapping goes with the last operation holding the channel.
         node.shm = None
     if want is False or not isinstance(instance, str):
         return None

@@ -83,6 +83,12 @@ def assert_attach_maps(path: str, size: int) -> None:
             os.close(fd)
 
 
+def arena_mappings() -> int:
+    """Distinct server arenas mapped into this process."""
+    with open("/proc/self/maps") as f:
+        return len({line.split()[4] for line in f if "kvstore-arena" in line})
+
+
 async def shm_locate(kv: AsyncKVClient, keys: list[bytes]) -> tuple[Any, dict[str, Any]]:
     """A raw SHM_GET on one of the client's connections: ``(connection, reply fields)``; pins held."""
     node = kv.nodes[0]

@@ -4,8 +4,10 @@ a client SIGKILLed mid-put, who may map the arena, and the fallbacks to the sock
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,7 @@ from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
 from kvstore.protocol import Hello, ShmAttach, ShmPut
 
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
-    MakeServer, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
+    MakeServer, arena_mappings, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
     unix_path,
 )
 
@@ -222,6 +224,42 @@ async def test_a_drain_ends_when_the_only_pins_it_waits_for_expire(make_server: 
         code = await asyncio.to_thread(srv.stop, timeout=20)  # (the drain waited out its 60 s)
     assert code == 0, "".join(srv.log[-5:])
     assert not any("drain timed out" in line for line in srv.log), "".join(srv.log[-5:])
+
+
+async def test_a_read_in_flight_from_a_replaced_server_copies_out_of_its_arena(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A rolling restart: the new server takes over the socket path while the old one still owes a
+    read on a pooled connection. Re-attaching to the new arena for a second connection must not
+    unmap the old one under that read (a ValueError came out of the get when its answer arrived)."""
+    old_srv = make_server("--capacity", "32MiB", "--unix", unix_path)
+    new_path = unix_path + ".new"
+    make_server("--capacity", "32MiB", "--unix", new_path)
+    keys = [key(i, "rolling") for i in range(4)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    mapped = arena_mappings()  # (by other tests' clients not yet collected)
+    async with AsyncKVClient(unix(new_path), namespace="r", shm=False) as kv:
+        await kv.put(keys, blocks)  # the new server holds the same blocks: either answer is right
+    async with AsyncKVClient(unix(unix_path), namespace="r", pool_size=2, timeout=30) as kv:
+        await kv.put(keys, blocks)
+        node = kv.nodes[0]
+        old_channel = node.shm
+        assert old_channel is not None
+        os.rename(new_path, unix_path)  # the old server keeps serving the connection it has
+        os.kill(old_srv.proc.pid, signal.SIGSTOP)  # and is slow to answer
+        try:
+            first = asyncio.ensure_future(kv.get(keys))
+            deadline = time.monotonic() + 10
+            while not any(conn.in_flight for conn in node.conns):  # its SHM_GET is out
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert [bytes(b) for b in await kv.get(keys)] == blocks  # a second connection: the new server
+            assert node.shm is not None and node.shm is not old_channel
+        finally:
+            os.kill(old_srv.proc.pid, signal.SIGCONT)
+        assert [bytes(b) for b in await first] == blocks
+        del old_channel, first
+        gc.collect()
+        assert arena_mappings() == mapped + 1  # the old arena went with the last read holding it
 
 
 # ---------------------------------------------------------------- a client killed mid-put
