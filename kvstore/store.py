@@ -51,6 +51,10 @@ from .errors import CapacityError, InvalidRequest, TooLarge
 from .keys import check_key, check_keys
 from .eviction import EvictionPolicy, make_policy
 
+#: Leases a store keeps at once, per page of its capacity, and at least (``BlockStore(max_leases=)``).
+LEASES_PER_PAGE = 64
+MIN_LEASES = 1 << 16
+
 BlockKey = tuple[str, bytes]  # the policy's key: (namespace, key bytes)
 
 
@@ -212,9 +216,15 @@ class BlockStore:
         prefault: bool = True,
         max_block_size: int | None = None,
         shared_arena: bool = False,
+        max_leases: int | None = None,
     ) -> None:
         """Map the arena (``capacity`` rounded down to whole pages); ``shared_arena``
         backs it with a memfd that same-host clients can map (:class:`Arena`).
+
+        ``max_leases``: leases outstanding at once (default :data:`LEASES_PER_PAGE`
+        per page, at least :data:`MIN_LEASES`). Each costs ~16 bytes until it ends,
+        so without a bound a client repeating pinned lookups grows the server's
+        memory with its request rate.
 
         Raises:
             ValueError: unknown ``eviction``, non-positive sizes or ``lease_s``.
@@ -227,6 +237,8 @@ class BlockStore:
         self._arena = Arena(capacity, page_size, prefault=prefault, shared=shared_arena)
         self._max_block = self._arena.capacity if max_block_size is None else min(max_block_size, self._arena.capacity)
         self._lease_s = float(lease_s)
+        self._max_leases = max_leases if max_leases is not None else max(
+            MIN_LEASES, LEASES_PER_PAGE * self._arena.num_pages)
         self._clock = clock
         self._blocks: dict[str, dict[bytes, _Block]] = {}
         self._ns_bytes: dict[str, int] = {}
@@ -372,6 +384,8 @@ class BlockStore:
 
         Raises:
             InvalidRequest: bad namespace, key or ``lease_s``.
+            CapacityError: with ``pin``, the leases would be more than ``max_leases``
+                (nothing is changed).
         """
         _check_ns(ns)
         deadline = self._deadline(lease_s) if pin else 0.0
@@ -379,6 +393,11 @@ class BlockStore:
         found: list[_Block] = self._index(ns_blocks, keys)  # type: ignore[assignment]
         if not all(found):  # (a block is always true: a fast C test)
             found = found[:found.index(None)]
+        if pin and self._leases + len(found) > self._max_leases:
+            self.expire_leases()
+            if self._leases + len(found) > self._max_leases:
+                raise CapacityError(f"{len(found)} more leases would be over the {self._max_leases} this server "
+                                    f"keeps at once ({self._leases} outstanding): unpin, or let them end")
         if found and not self._linked(found, keys):
             self._link(ns_blocks, found)
         events = self._events

@@ -470,6 +470,34 @@ def test_blocks_eviction_passed_over_while_pinned_are_evictable_once_unpinned(cl
     assert store.stats()["pinned_blocks"] == 0
 
 
+def test_pinned_lookups_over_max_leases_are_refused_until_leases_end(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock, lease_s=10.0, max_leases=5)
+    put_batch(store, [0, 1])
+    assert store.lookup(NS, [k(0), k(1)], pin=True) == 2
+    clock.now = 1.0
+    assert store.lookup(NS, [k(0), k(1)], pin=True) == 2
+    with pytest.raises(CapacityError, match="over the 5"):
+        store.lookup(NS, [k(0), k(1)], pin=True)
+    assert store.stats()["leases"] == 4  # the refused lookup changed nothing
+    assert store.lookup(NS, [k(0)], pin=True) == 1  # up to the bound
+    assert store.lookup(NS, [k(0), k(1)]) == 2  # a lookup without pin is not bounded
+    assert store.unpin(NS, [k(1)]) == 1
+    assert store.lookup(NS, [k(1)], pin=True) == 1
+    clock.now = 11.0  # every lease ends
+    assert store.lookup(NS, [k(0), k(1)] * 2, pin=True) == 4
+
+
+def test_max_leases_by_default_grows_with_the_capacity() -> None:
+    pages = 4 * store_module.MIN_LEASES // store_module.LEASES_PER_PAGE
+    store = BlockStore(pages * PS, page_size=PS, prefault=False)
+    put_batch(store, [0])
+    for _ in range(4 * store_module.MIN_LEASES // 1024):
+        store.lookup(NS, [k(0)] * 1024, pin=True)  # 4 x MIN_LEASES leases: under the bound
+    with pytest.raises(CapacityError):
+        store.lookup(NS, [k(0)], pin=True)
+    assert make("lru", 4)._max_leases == store_module.MIN_LEASES
+
+
 def test_lease_expiry_releases_the_pin(policy: str, clock: FakeClock) -> None:
     store = make(policy, 2, clock, lease_s=10.0)
     put_batch(store, [0, 1])
