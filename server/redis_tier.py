@@ -11,20 +11,20 @@ Two modes:
 * ``write-through``: ``store()`` returns once Redis has every block, so an
   acknowledged block survives a ``kill -9`` of the server.
 * ``write-behind``: ``store()`` copies the blocks into a queue bounded in
-  bytes (a put waits while it is full) and returns; one task flushes the queue
-  in batches. Queued blocks are served from the queue, so nothing
-  acknowledged is lost while the process lives, and :meth:`RedisTier.close`
-  flushes the queue before exit.
+  bytes (while it is full a put waits, or fails if Redis is down) and
+  returns; one task flushes the queue in batches. Queued blocks are served
+  from the queue, so nothing acknowledged is lost while the process lives,
+  and :meth:`RedisTier.close` flushes the queue before exit.
 
 Faults: a failure of Redis itself (connection, timeout, cluster down) marks
 the tier ``degraded`` (logged once on the transition, once again on recovery);
 an error reply to one command (``WRONGTYPE`` from a key someone else wrote,
 ``OOM``) concerns that key only: a miss for a read, a failed put or delete.
 While degraded no request waits on Redis: reads are answered from memory and
-the queue, write-through puts and deletes fail at once with
-:class:`~kvstore.errors.Unavailable`, and :meth:`RedisTier.check_health`
-(called periodically by the server) probes with back-off until Redis answers
-again; the write-behind queue then drains.
+the queue, write-through puts, deletes and write-behind puts that find the
+queue full fail at once with :class:`~kvstore.errors.Unavailable`, and
+:meth:`RedisTier.check_health` (called periodically by the server) probes
+with back-off until Redis answers again; the write-behind queue then drains.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import struct
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 from urllib.parse import quote
 
 import xxhash
@@ -196,6 +196,14 @@ def _command_error(result: Any) -> bool:
     return isinstance(result, ResponseError) and not isinstance(result, _SERVER_STATE_ERRORS)
 
 
+def _not_counted(names: Sequence[str | bytes], deleted: Sequence[int], dropped: set[str]) -> int:
+    """How many of ``names`` DEL found, less those already counted as dropped from the queue."""
+    if not dropped:
+        return sum(deleted)
+    return sum(1 for name, r in zip(names, deleted)
+               if r and (name.decode() if isinstance(name, bytes) else name) not in dropped)
+
+
 def _describe(exc: BaseException) -> str:
     """A short printable reason: redis-py's pipeline errors quote the failed command, block bytes included."""
     text = str(exc)
@@ -228,13 +236,13 @@ class _EveryFew:
 # -- the write-behind queue
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not the value's bytes: the queue's set of pending items holds these objects
 class _Item:
     ns: str
     key: bytes
     value: bytes  # header + block, copied out of the arena
     checksum: int
-    cancelled: bool = False  # deleted while in flight: not to be re-queued
+    cancelled: bool = False  # deleted while in flight or waiting for room: not to be (re-)queued
 
 
 @dataclass
@@ -244,6 +252,9 @@ class _WriteQueue:
     limit: int
     waiting: OrderedDict[tuple[str, bytes], _Item] = field(default_factory=OrderedDict)
     inflight: dict[tuple[str, bytes], _Item] = field(default_factory=dict)
+    #: Items whose put waits for room: a delete must cancel them there, or the put would queue
+    #: a block deleted meanwhile and write it back into Redis.
+    pending: set[_Item] = field(default_factory=set)
     nbytes: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     batch_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -256,15 +267,48 @@ class _WriteQueue:
         item = self.waiting.get((ns, key)) or self.inflight.get((ns, key))
         return None if item is None or item.cancelled else item
 
-    async def put(self, item: _Item) -> None:
-        """Queue ``item``; waits while the queue is full (one item larger than the limit still passes alone)."""
+    def _fits(self, item: _Item) -> bool:
+        return self.nbytes == 0 or self.nbytes + len(item.value) <= self.limit
+
+    async def put(self, items: Sequence[_Item], refuse: Callable[[], bool]) -> bool:
+        """Queue ``items`` in order, each once there is room (one item larger than the limit still
+        passes alone); an item a delete cancels meanwhile is dropped.
+
+        Returns False, leaving none of ``items`` queued, if the queue is full while ``refuse()``
+        holds (Redis is down: the room would come only with the end of the outage).
+        """
+        self.pending.update(items)  # before any await: a delete from now on must find them
+        try:
+            async with self.changed:
+                for i, item in enumerate(items):
+                    await self.changed.wait_for(lambda it=item: it.cancelled or self._fits(it) or refuse())
+                    self.pending.discard(item)
+                    if item.cancelled:
+                        continue
+                    if not self._fits(item):
+                        self._unqueue(items[:i])
+                        return False
+                    old = self.waiting.pop((item.ns, item.key), None)
+                    if old is not None:
+                        self.nbytes -= len(old.value)
+                    self.waiting[(item.ns, item.key)] = item
+                    self.nbytes += len(item.value)
+                    self.changed.notify_all()
+                return True
+        finally:
+            self.pending.difference_update(items)
+
+    def _unqueue(self, items: Sequence[_Item]) -> None:
+        """Take back ``items`` still waiting (their put failed; in flight, they are written anyway)."""
+        for item in items:
+            k = (item.ns, item.key)
+            if self.waiting.get(k) is item:
+                del self.waiting[k]
+                self.nbytes -= len(item.value)
+
+    async def wake(self) -> None:
+        """Let puts waiting for room look again (the tier went down: they are refused now)."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.nbytes == 0 or self.nbytes + len(item.value) <= self.limit)
-            old = self.waiting.pop((item.ns, item.key), None)
-            if old is not None:
-                self.nbytes -= len(old.value)
-            self.waiting[(item.ns, item.key)] = item
-            self.nbytes += len(item.value)
             self.changed.notify_all()
 
     async def take(self, max_bytes: int = _BATCH_BYTES) -> list[_Item]:
@@ -297,19 +341,34 @@ class _WriteQueue:
             self.batch_done.set()
             self.changed.notify_all()
 
-    async def discard(self, match: Any) -> bool:
-        """Drop waiting blocks for which ``match((ns, key))`` holds; True if any is in flight."""
+    async def discard(self, match: Callable[[tuple[str, bytes]], bool]) -> tuple[set[tuple[str, bytes]], bool]:
+        """Drop the blocks for which ``match((ns, key))`` holds, waiting ones and those whose put waits
+        for room: the keys dropped, and True if any matching block is in flight (cancelled, so not
+        re-queued; the caller waits for its write to land)."""
         async with self.changed:
-            for k in [k for k in self.waiting if match(k)]:
+            dropped = {k for k in self.waiting if match(k)}
+            for k in dropped:
                 self.nbytes -= len(self.waiting.pop(k).value)
+            for item in self.pending:
+                if match((item.ns, item.key)) and not item.cancelled:
+                    item.cancelled = True
+                    dropped.add((item.ns, item.key))
             hit = [item for k, item in self.inflight.items() if match(k)]
             for item in hit:
                 item.cancelled = True
             self.changed.notify_all()
-            return bool(hit)
+            return dropped, bool(hit)
 
 
 # -- the tier
+
+
+@dataclass(eq=False)
+class _FlushGate:
+    """Flushes of one namespace running now; ``done`` is set when the last one ends."""
+
+    running: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RedisTier(Tier):
@@ -352,7 +411,11 @@ class RedisTier(Tier):
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block = _BULK_LEN - HEADER_SIZE
-        self._limit_read = False  # read once Redis first answers (it may come up after us)
+        self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
+        #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
+        #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
+        self._flushing: dict[str, _FlushGate] = {}
+        self._waking: asyncio.Task[None] | None = None
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "failures": 0, "outages": 0}
 
@@ -444,6 +507,8 @@ class RedisTier(Tier):
             self._probe_delay = _PROBE_MIN_S
             self._next_probe = time.monotonic() + self._probe_delay
             self.counters["outages"] += 1
+            self._limit_read = False  # a Redis that comes back may take smaller values (proto-max-bulk-len)
+            self._waking = asyncio.get_running_loop().create_task(self.queue.wake())  # puts waiting for room fail
             log.warning("redis tier degraded (%s): serving from memory; %s", self.target, self._last_error)
 
     def _mark_up(self) -> None:
@@ -552,14 +617,20 @@ class RedisTier(Tier):
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
 
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
-        """Write-through: one pipelined round trip. Write-behind: copy into the queue (waits while full)."""
+        """Write-through: one pipelined round trip. Write-behind: copy into the queue; while it is
+        full, wait for room if Redis is up (back-pressure), fail at once if it is down.
+
+        Either waits first for a running flush of ``ns`` to end (see ``_flushing``).
+        """
         # The views are pinned only while this call runs: copy them out before the first await.
         items = [_Item(ns, b.key, encode_value(b.data, b.checksum), b.checksum) for b in blocks]
+        gate = self._flushing.get(ns)
+        if gate is not None:
+            await gate.done.wait()
         if self.write_through:
             await self._write(items)
-            return
-        for item in items:
-            await self.queue.put(item)
+        elif not await self.queue.put(items, refuse=lambda: not self._up.is_set()):
+            raise self._unavailable()
 
     async def _flush_loop(self) -> None:
         """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the
@@ -642,6 +713,7 @@ class RedisTier(Tier):
             return None
         decoded = decode_value(value)
         if decoded is None:
+            self.counters["fetch_misses"] += 1
             self._key_warnings.warning("foreign", "redis key %s does not hold a kvstore block value; ignored",
                                        block_key(ns, key))
             return None
@@ -671,55 +743,75 @@ class RedisTier(Tier):
 
     # -- deletes
 
-    async def _settle(self, match: Any) -> None:
-        """Drop queued blocks; if one is being written, let that write land first, so our DEL comes after."""
-        if await self.queue.discard(match):
+    async def _settle(self, match: Callable[[tuple[str, bytes]], bool]) -> set[str]:
+        """Drop queued blocks (the Redis names of those dropped are returned: they count as deleted);
+        if one is being written, let that write land first, so our DEL comes after."""
+        dropped, inflight = await self.queue.discard(match)
+        if inflight:
             try:
                 await asyncio.wait_for(self.queue.batch_done.wait(), self.flush_timeout)
             except asyncio.TimeoutError:
                 raise self._unavailable() from None
+        return {block_key(ns, key) for ns, key in dropped}
 
     async def delete(self, ns: str, keys: Sequence[bytes]) -> int:
-        """DEL in one round trip; the namespace hint goes down by what was deleted."""
+        """DEL in one round trip; counts the blocks deleted from Redis or dropped from the queue.
+        The namespace hint goes down by what was deleted from Redis."""
         wanted = {(ns, k) for k in keys}
-        await self._settle(wanted.__contains__)
+        dropped = await self._settle(wanted.__contains__)
         if not keys:
             return 0
-        res = await self._execute([("DEL", block_key(ns, k)) for k in keys])
-        self._refused(res, "delete(s)")
-        n = sum(res)
-        if n:
-            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -n)])  # a hint: its error ignored
-        return n
+        names = list(dict.fromkeys(block_key(ns, k) for k in keys))
+        res = await self._delete_names(names)
+        if sum(res):
+            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -sum(res))])  # a hint: its error ignored
+        return len(dropped) + _not_counted(names, res, dropped)
 
-    async def flush(self, ns: str) -> int:
-        """Delete every block of ``ns`` (SCAN MATCH on every master, DEL in pipelined batches) and its record."""
-        await self._settle(lambda k: k[0] == ns)
-        if not self._up.is_set():
-            raise self._unavailable()
-        pattern = f"{KEY_PREFIX}{ns_part(ns)}:*"
-        n = 0
-        batch: list[str | bytes] = []
+    def flush(self, ns: str) -> Awaitable[int]:
+        """Delete every block of ``ns`` (SCAN MATCH on every master, DEL in pipelined batches) and its record.
+
+        The namespace's tier writes wait from this call until the flush ends (not a coroutine
+        function, so that the gate is up before the caller's next step: the service has already
+        flushed memory, and a block put from then on must not be caught by the SCAN).
+        """
+        gate = self._flushing.setdefault(ns, _FlushGate())
+        gate.running += 1
+        return self._flush(ns, gate)
+
+    async def _flush(self, ns: str, gate: _FlushGate) -> int:
         try:
-            async for name in self.client.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    n += await self._delete_names(batch)
-                    batch = []
-        except _REDIS_ERRORS as exc:
-            self._mark_down(exc)
-            raise self._unavailable() from None
-        n += await self._delete_names(batch)
-        await self._execute([("DEL", ns_record_key(ns))])
-        self._known_ns.discard(ns)
-        return n
+            dropped = await self._settle(lambda k: k[0] == ns)
+            if not self._up.is_set():
+                raise self._unavailable()
+            pattern = f"{KEY_PREFIX}{ns_part(ns)}:*"
+            n = len(dropped)
+            batch: list[str | bytes] = []
+            try:
+                async for name in self.client.scan_iter(match=pattern, count=1000):
+                    batch.append(name)
+                    if len(batch) >= 1000:
+                        n += _not_counted(batch, await self._delete_names(batch), dropped)
+                        batch = []
+            except _REDIS_ERRORS as exc:
+                self._mark_down(exc)
+                raise self._unavailable() from None
+            n += _not_counted(batch, await self._delete_names(batch), dropped)
+            await self._execute([("DEL", ns_record_key(ns))])
+            self._known_ns.discard(ns)
+            return n
+        finally:
+            gate.running -= 1
+            if not gate.running:
+                del self._flushing[ns]
+                gate.done.set()
 
-    async def _delete_names(self, names: Sequence[str | bytes]) -> int:
+    async def _delete_names(self, names: Sequence[str | bytes]) -> list[int]:
+        """DEL ``names`` in one round trip; per name, 1 if it existed."""
         if not names:
-            return 0
+            return []
         res = await self._execute([("DEL", name) for name in names])
         self._refused(res, "delete(s)")
-        return sum(res)
+        return res
 
     # -- introspection
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Tier(ABC):
     @abstractmethod
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
         """Write-through: return once the backend has every block. Write-behind:
-        return once they are queued (waiting while the queue is full)."""
+        return once they are queued (waiting while the queue is full and the backend is up)."""
 
     @abstractmethod
     async def fetch(self, ns: str, keys: Sequence[bytes]) -> list[tuple[bytes | memoryview, int] | None]:
@@ -53,7 +53,10 @@ class Tier(ABC):
     async def delete(self, ns: str, keys: Sequence[bytes]) -> int: ...
 
     @abstractmethod
-    async def flush(self, ns: str) -> int: ...
+    def flush(self, ns: str) -> Awaitable[int]:
+        """Delete every block of ``ns``; the count deleted. The caller has flushed memory already:
+        a block stored from the moment of this call on (before the awaitable first runs) must
+        survive the flush, so a tier orders such writes after it."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

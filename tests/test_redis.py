@@ -235,20 +235,26 @@ async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(m
 
 async def test_write_behind_bounded_queue_waits_then_flushes(make_redis, make_server) -> None:
     redis = make_redis()
-    redis.stop()  # down first, so the queue fills
     srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind",
-                      "--redis-queue-bytes", "1MiB")
+                      "--redis-queue-bytes", "1MiB", "--redis-timeout", "30")
     keys = chain(5, "queue")
     data = blocks(keys, 300_000)
     async with AsyncKVClient(srv.addr, namespace=NS, timeout=30) as kv:
-        assert (await kv.put(keys[:3], data[:3])).stored == 3  # acknowledged from memory, queued
-        blocked = asyncio.ensure_future(kv.put(keys[3:], data[3:]))  # would pass 1 MiB: waits
-        await asyncio.sleep(0.5)
-        assert not blocked.done()
-        tier = (await kv.stats())["tier"]
-        assert tier["state"] == "degraded" and tier["backlog_blocks"] == 3
-        assert tier["backlog_bytes"] <= tier["queue_limit_bytes"] == 1 << 20
-        redis.start()  # same port: the queue drains, the waiting put goes through
+        redis.cli("CLIENT", "PAUSE", "60000", "WRITE")  # Redis is up but slow: the queue fills
+        try:
+            assert (await kv.put(keys[:3], data[:3])).stored == 3  # acknowledged from memory, queued
+            blocked = asyncio.ensure_future(kv.put(keys[3:], data[3:]))  # would pass 1 MiB: waits
+
+            async def in_memory() -> bool:
+                return (await kv.stats())["store"]["blocks"] == 5
+
+            await eventually(in_memory, 10, "the waiting put's blocks to be in memory")
+            assert not blocked.done()  # back-pressure: Redis answers, so the put waits for room
+            tier = (await kv.stats())["tier"]
+            assert tier["state"] == "ok" and tier["backlog_blocks"] == 3
+            assert tier["backlog_bytes"] <= tier["queue_limit_bytes"] == 1 << 20
+        finally:
+            redis.cli("CLIENT", "UNPAUSE")  # the queue drains, the waiting put goes through
         assert (await asyncio.wait_for(blocked, 15)).stored == 2
 
         async def drained() -> bool:
