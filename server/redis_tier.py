@@ -62,7 +62,7 @@ KEY_PREFIX = "kvstore:"
 NS_RECORD_PREFIX = "kvstore-ns:"  # outside "kvstore:*", so a scan of blocks meets only strings
 MAGIC = b"KVB"
 LAYOUT_VERSION = 1
-#: magic, layout version, flags (reserved, 0), xxh3-64 of the block as the client computed it
+#: magic, layout version, key tag (see :func:`key_tag`), xxh3-64 of the block as the client computed it
 HEADER = struct.Struct("!3sBIQ")
 HEADER_SIZE = HEADER.size  # 16
 # Namespace characters kept as they are in key names; the rest is %-encoded, so a
@@ -97,19 +97,31 @@ def ns_record_key(ns: str) -> str:
     return f"{NS_RECORD_PREFIX}{ns_part(ns)}"
 
 
-def encode_value(data: Iterable[memoryview | bytes], checksum: int) -> bytes:
+def key_tag(name: str) -> int:
+    """The header's tag of the Redis key ``name`` a value is written under (32 bits of its
+    xxh3-64, never 0). The checksum covers the block alone, so a value copied or renamed to
+    another key would pass it; the tag tells. 0 in a header: written before tags (not checked)."""
+    return xxhash.xxh3_64_intdigest(name.encode()) & 0xFFFFFFFF or 1
+
+
+def encode_value(data: Iterable[memoryview | bytes], checksum: int, tag: int) -> bytes:
     """Header + block bytes: the one copy a Redis value needs (its argument must be one buffer)."""
-    return b"".join([HEADER.pack(MAGIC, LAYOUT_VERSION, 0, checksum), *data])
+    return b"".join([HEADER.pack(MAGIC, LAYOUT_VERSION, tag, checksum), *data])
 
 
-def decode_value(value: bytes) -> tuple[memoryview, int] | None:
-    """``(block, checksum)`` from a stored value; ``None`` if it is not a kvstore block value."""
+def decode_value(value: bytes) -> tuple[memoryview, int, int] | None:
+    """``(block, checksum, tag)`` from a stored value; ``None`` if it is not a kvstore block value."""
     if len(value) < HEADER_SIZE:
         return None
-    magic, version, _flags, checksum = HEADER.unpack_from(value)
+    magic, version, tag, checksum = HEADER.unpack_from(value)
     if magic != MAGIC or version != LAYOUT_VERSION:
         return None
-    return memoryview(value)[HEADER_SIZE:], checksum
+    return memoryview(value)[HEADER_SIZE:], checksum, tag
+
+
+def _misplaced(tag: int, name: str) -> bool:
+    """A value whose tag names another key (copied or renamed inside Redis)."""
+    return tag != 0 and tag != key_tag(name)
 
 
 def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
@@ -118,7 +130,7 @@ def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
         "namespace": ns,
         "key_pattern": f"{KEY_PREFIX}{ns_part(ns)}:<hex key>",
         "segments": json.dumps(ns.split("/")),  # e.g. ["llama3-8b", "bf16", "tp0"]: model, dtype, rank...
-        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, flags u32, "
+        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, key tag u32, "
                         "xxh3-64 u64 (big-endian)",
         "ttl_s": str(ttl_s),
     }
@@ -417,7 +429,7 @@ class RedisTier(Tier):
         self._flushing: dict[str, _FlushGate] = {}
         self._waking: asyncio.Task[None] | None = None
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
-                         "checksum_mismatches": 0, "failures": 0, "outages": 0}
+                         "checksum_mismatches": 0, "misplaced_values": 0, "failures": 0, "outages": 0}
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RedisTier | None:
@@ -623,7 +635,8 @@ class RedisTier(Tier):
         Either waits first for a running flush of ``ns`` to end (see ``_flushing``).
         """
         # The views are pinned only while this call runs: copy them out before the first await.
-        items = [_Item(ns, b.key, encode_value(b.data, b.checksum), b.checksum) for b in blocks]
+        items = [_Item(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum)
+                 for b in blocks]
         gate = self._flushing.get(ns)
         if gate is not None:
             await gate.done.wait()
@@ -717,14 +730,21 @@ class RedisTier(Tier):
             self._key_warnings.warning("foreign", "redis key %s does not hold a kvstore block value; ignored",
                                        block_key(ns, key))
             return None
+        data, checksum, tag = decoded
+        if _misplaced(tag, block_key(ns, key)):
+            # Its checksum holds (it is another key's block, whole), so only the server can tell: a miss.
+            self.counters["fetch_misses"] += 1
+            self.counters["misplaced_values"] += 1
+            self._key_warnings.warning("misplaced", "redis key %s holds the block of another key (copied or "
+                                       "renamed in redis); treated as a miss", block_key(ns, key))
+            return None
         self.counters["fetched_blocks"] += 1
-        data, checksum = decoded
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             # Returned anyway: the client checks the same checksum and reports the corruption.
             self.counters["checksum_mismatches"] += 1
             self._key_warnings.warning("checksum", "redis key %s fails its checksum (corrupted in redis)",
                                        block_key(ns, key))
-        return decoded
+        return data, checksum
 
     async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Per key: queued, or in Redis with a kvstore value header (one pipelined round of
@@ -738,7 +758,8 @@ class RedisTier(Tier):
             except Unavailable:
                 heads = [b""] * len(ask)
             for i, head in zip(ask, heads):
-                out[i] = isinstance(head, bytes) and decode_value(head) is not None
+                decoded = decode_value(head) if isinstance(head, bytes) else None
+                out[i] = decoded is not None and not _misplaced(decoded[2], block_key(ns, keys[i]))
         return out
 
     # -- deletes

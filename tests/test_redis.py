@@ -18,7 +18,7 @@ import xxhash
 from kvstore.client import AsyncKVClient
 from kvstore.errors import IntegrityError, TooLarge, Unavailable
 from kvstore.server.process import ServerProcess
-from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, ns_record_key
+from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, key_tag, ns_record_key
 
 from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
 
@@ -67,8 +67,8 @@ async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisPr
         name = block_key(NS, k)
         assert int(redis_server.cli("STRLEN", name)) == HEADER_SIZE + len(d)
         header = redis_server.cli_bytes("GETRANGE", name, "0", str(HEADER_SIZE - 1))[:HEADER_SIZE]
-        magic, version, flags, checksum = HEADER.unpack(header)
-        assert (magic, version, flags) == (MAGIC, 1, 0)
+        magic, version, tag, checksum = HEADER.unpack(header)
+        assert (magic, version, tag) == (MAGIC, 1, key_tag(name))
         assert checksum == xxhash.xxh3_64_intdigest(d)  # the client's checksum, carried into Redis
         assert 0 < int(redis_server.cli("TTL", name)) <= 300
         assert int(redis_server.cli("MEMORY", "USAGE", name)) > len(d)
@@ -130,6 +130,24 @@ async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: 
         assert (await kv.stats())["tier"]["checksum_mismatches"] == 21  # each one counted
     reader.wait_log("fails its checksum")
     assert log_count(reader, "fails its checksum") == 1
+
+
+async def test_a_block_copied_to_another_key_in_redis_is_never_returned_for_it(redis_server: RedisProcess,
+                                                                              make_server) -> None:
+    """Another key's value is a whole, valid block (its checksum holds); its header's key tag tells."""
+    keys, data = await written_to_redis(make_server, redis_server, "misplaced", 3)
+    redis_server.cli("COPY", block_key(NS, keys[0]), block_key(NS, keys[1]), "REPLACE")
+    untagged = HEADER.pack(MAGIC, 1, 0, xxhash.xxh3_64_intdigest(data[0])) + data[0]  # written before tags
+    subprocess.run([*redis_server.cli_args(), "-x", "SET", block_key(NS, keys[2])], input=untagged, check=True,
+                   capture_output=True, timeout=10)
+
+    reader = make_server("--capacity", MEM, "--redis", redis_server.url)  # empty memory: reads through
+    async with AsyncKVClient(reader.addr, namespace=NS) as kv:
+        assert await kv.exists(keys) == [True, False, True]
+        assert payloads(await kv.get(keys)) == [data[0], None, data[0]]
+        tier = (await kv.stats())["tier"]
+    assert tier["misplaced_values"] == 1
+    reader.wait_log("holds the block of another key")
 
 
 async def test_eviction_from_memory_never_deletes_from_redis(redis_server: RedisProcess, make_server) -> None:
