@@ -164,7 +164,7 @@ class ShmService:
         """
         if not self.offered:
             raise InvalidRequest("this server does not offer shared memory (it needs --unix PATH and no --no-shm)")
-        if not (session.unix or _is_loopback(session.peer)):
+        if not _same_host(session):
             raise InvalidRequest("shared memory is only for clients on the server's host")
         if not self._may_map(session):
             self.counters["refused"] += 1
@@ -176,8 +176,10 @@ class ShmService:
         return st
 
     def hello_fields(self, session: Session) -> Fields:
-        """What HELLO's reply says about shm: where to attach and which arena it is."""
-        if not self.offered or not self._may_map(session):
+        """What HELLO's reply says about shm: where to attach and which arena it is -- not told to a
+        TCP peer that is not loopback (a same-host client that came in by the host's own network
+        address would attach, then have every shm request refused: it uses the socket)."""
+        if not self.offered or not self._may_map(session) or not _same_host(session):
             return {}
         return {"shm": {"path": self.path, "instance": self.instance, "size": self.store.arena.capacity}}
 
@@ -409,13 +411,19 @@ class ShmService:
 # --------------------------------------------------------------------------- the socket side
 
 
+def _same_host(session: Session) -> bool:
+    return session.unix or _is_loopback(session.peer)
+
+
 def _is_loopback(peer: str) -> bool:
     """Whether a TCP peer (``host:port``) is on this host: a ``shm=True`` client over TCP."""
     host = peer.rpartition(":")[0].strip("[]")
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack listener
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None:

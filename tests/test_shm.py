@@ -19,7 +19,10 @@ import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
+from kvstore.config import ServerConfig
 from kvstore.protocol import Hello, ShmAttach, ShmPut
+from kvstore.server.app import Server
+from kvstore.server.service import Session
 
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
     MakeServer, arena_mappings, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
@@ -403,6 +406,20 @@ async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server: M
         await told.put([k], [b"y" * 50_000])
         assert await plain.get([k]) == [b"y" * 50_000] and await refused.get([k]) == [b"y" * 50_000]
         assert (await plain.stats())["shm"]["puts"] == 1
+
+
+@pytest.mark.parametrize("peer, same_host", [
+    ("127.0.0.1:40000", True), ("::1:40000", True), ("::ffff:127.0.0.1:40000", True),  # (dual-stack listener)
+    ("10.1.2.3:40000", False), ("::ffff:10.1.2.3:40000", False), ("", False),
+])
+def test_hello_offers_shm_only_to_peers_it_serves_shm(unix_path: str, peer: str, same_host: bool) -> None:
+    """A same-host client that came in by the host's network address would attach over the Unix
+    socket and then have every shm request refused (only loopback peers are served): HELLO does
+    not offer it shm, so it uses the socket. The real service, not started (no peer can be made
+    from another address here: tests bind 127.0.0.1 only)."""
+    service = Server(ServerConfig(port=0, capacity=1 << 20, prefault=False, unix=unix_path)).service
+    assert "shm" in service.shm.hello_fields(Session(unix=True))
+    assert ("shm" in service.shm.hello_fields(Session(peer=peer))) == same_host
 
 
 async def test_tcp_client_told_shm_true_without_a_unix_socket_uses_tcp(make_server: MakeServer) -> None:
