@@ -290,6 +290,7 @@ class _WriteQueue:
         holds (Redis is down: the room would come only with the end of the outage).
         """
         self.pending.update(items)  # before any await: a delete from now on must find them
+        replaced: dict[int, _Item] = {}  # item index -> the waiting item it took the place of
         try:
             async with self.changed:
                 for i, item in enumerate(items):
@@ -298,11 +299,12 @@ class _WriteQueue:
                     if item.cancelled:
                         continue
                     if not self._fits(item):
-                        self._unqueue(items[:i])
+                        self._unqueue(items[:i], replaced)
                         return False
                     old = self.waiting.pop((item.ns, item.key), None)
                     if old is not None:
                         self.nbytes -= len(old.value)
+                        replaced[i] = old
                     self.waiting[(item.ns, item.key)] = item
                     self.nbytes += len(item.value)
                     self.changed.notify_all()
@@ -310,13 +312,18 @@ class _WriteQueue:
         finally:
             self.pending.difference_update(items)
 
-    def _unqueue(self, items: Sequence[_Item]) -> None:
-        """Take back ``items`` still waiting (their put failed; in flight, they are written anyway)."""
-        for item in items:
+    def _unqueue(self, items: Sequence[_Item], replaced: dict[int, _Item]) -> None:
+        """Take back ``items`` still waiting (their put failed; in flight, they are written anyway),
+        putting back the items of earlier puts they replaced: those puts were acknowledged."""
+        for i, item in enumerate(items):
             k = (item.ns, item.key)
             if self.waiting.get(k) is item:
                 del self.waiting[k]
                 self.nbytes -= len(item.value)
+                old = replaced.get(i)
+                if old is not None and not old.cancelled:
+                    self.waiting[k] = old
+                    self.nbytes += len(old.value)
 
     async def wake(self) -> None:
         """Let puts waiting for room look again (the tier went down: they are refused now)."""

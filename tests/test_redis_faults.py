@@ -17,7 +17,10 @@ import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import TooLarge, Unavailable
-from kvstore.server.redis_tier import block_key
+from redis.asyncio import Redis
+
+from kvstore.server.redis_tier import HEADER_SIZE, RedisTier, block_key
+from kvstore.server.tier import TierBlock
 
 from redis_fixtures import (  # noqa: F401  (fixtures)
     RedisProcess, blocks, chain, eventually, make_redis, payloads, redis_server,
@@ -116,6 +119,36 @@ async def test_write_behind_put_fails_at_once_when_the_queue_is_full_and_redis_d
             await until_stats(kv, "the queue to drain", tier_is(backlog_blocks=0))
         assert all(in_redis(redis, NS, keys))
     finally:
+        redis.stop()
+
+
+async def test_a_refused_write_behind_put_leaves_an_earlier_put_of_the_same_key_queued(tmp_path: Path) -> None:
+    """The tier alone, in process, over a real Redis that goes down: K is queued (acknowledged), then a
+    put of K again (evicted from memory meanwhile) and two more finds the queue full and is refused.
+    Taking its items back took K's queued block with them: acknowledged, and then nowhere."""
+    redis = RedisProcess(tmp_path / "redis").start()
+    size = 1000
+    tier = RedisTier(Redis(host="127.0.0.1", port=redis.port, socket_timeout=0.5, socket_connect_timeout=0.5),
+                     target="test", mode="write-behind", queue_bytes=3 * (size + HEADER_SIZE), flush_timeout=1.0)
+    try:
+        await tier.start()
+        redis.stop()
+        tier._next_probe = 0  # (probe now, not after the back-off)
+        await tier.check_health()
+        assert tier.stats()["state"] == "degraded"
+
+        def block(key: bytes) -> TierBlock:
+            return TierBlock(key, [memoryview(key[:1] * size)], 0, size)
+
+        await tier.store(NS, [block(b"K")])
+        await tier.store(NS, [block(b"Y")])
+        with pytest.raises(Unavailable):
+            await tier.store(NS, [block(b"K"), block(b"X"), block(b"Z")])
+        got = await tier.fetch(NS, [b"K", b"Y", b"X"])
+        assert [None if g is None else bytes(g[0]) for g in got] == [b"K" * size, b"Y" * size, None]
+        assert tier.stats()["backlog_blocks"] == 2
+    finally:
+        await tier.close()
         redis.stop()
 
 
