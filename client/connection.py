@@ -1,10 +1,14 @@
 """One client connection: pipelined requests matched to replies by request id.
 
 Replies' payloads are received by ``recv_into`` straight into their destination
-(the caller's buffers for ``get_into``). A connection on which anything went
-wrong mid-request -- a cancelled or timed-out request, a protocol error, a
-lost peer -- is closed and never reused: its byte stream may be out of step,
-and a cancelled ``get_into`` must never write into a buffer its caller got back.
+(the caller's buffers for ``get_into``). A request whose caller is cancelled
+before its reply starts is forgotten, not its connection: the reply is read and
+dropped, so the other requests on it go on. A connection on which anything else
+went wrong mid-request -- a cancel while the request's own payload is still
+going out or its reply's payload coming in, a timed-out request, a protocol
+error, a lost peer -- is closed and never reused: its byte stream may be out of
+step, and a cancelled ``get_into`` must never write into a buffer its caller
+got back.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class _Pending:
     make_sink: SinkFactory | None
     fields: dict[str, Any] | None = None
     sink: PayloadSink | None = None
+    rid: int = 0
+    dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
 
 
 @dataclass
@@ -176,6 +182,10 @@ class ClientConnection(asyncio.BufferedProtocol):
             return
         assert isinstance(msg, Reply)
         p.fields = msg.fields
+        if p.dropped:  # (a payload with no sink set is read and dropped by the reader)
+            if not frame.payload_len:
+                self._on_done(frame.request_id)
+            return
         if p.make_sink is not None:  # also without a payload: the sink sees the empty blocks
             p.sink = p.make_sink(msg.fields)
             self.reader.set_sink(p.sink)
@@ -202,15 +212,23 @@ class ClientConnection(asyncio.BufferedProtocol):
         return len(self.pending)
 
     async def request(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
-                      make_sink: SinkFactory | None = None, timeout: float | None = None) -> Response:
+                      make_sink: SinkFactory | None = None, timeout: float | None = None,
+                      droppable: bool = True) -> Response:
         """Send one request and wait for its reply.
 
         ``timeout`` (seconds) raises :class:`RequestTimeout` and discards the
         connection. It is a timer on the reply's future rather than
         ``asyncio.wait_for``, which costs a task and several loop iterations
         per request (measured: ~20 us of client CPU per request here).
+
+        A cancelled caller leaves the connection to the others once its payload
+        is all handed over: its reply, or the rest of it, is then read and
+        dropped (no byte more lands in the caller's buffers). ``droppable=False``:
+        a reply that hands the connection server-side state (an shm handle, which
+        only the connection's end gives back) -- its cancel ends the connection.
         """
-        fut = self._send(msg, payload, payload_len, make_sink)
+        p = self._send(msg, payload, payload_len, make_sink)
+        fut = p.future
         end = self._queued if self._out is not None else None  # (paced: its last item's number)
         timer = fut.get_loop().call_later(timeout, self._time_out, fut, timeout) if timeout else None
         try:
@@ -218,19 +236,37 @@ class ClientConnection(asyncio.BufferedProtocol):
                 await asyncio.shield(self._can_write)
             return await fut
         except asyncio.CancelledError:
-            # The caller gave up: its buffers may still be referenced by the
-            # transport or about to receive bytes. Drop the connection.
-            if not fut.cancel():
-                _drop_outcome(fut)  # (its outcome is nobody's now)
-            self.abort(TransportError("request cancelled; connection discarded"))
+            # The caller gave up: its buffers may still be referenced by the transport or about
+            # to receive bytes. Unless neither can be, drop the connection.
+            if fut.done() and not fut.cancelled():  # (answered, or failed, as the cancel came)
+                _drop_outcome(fut)
+            elif self.pending.get(p.rid) is not p:
+                pass  # its reply came whole between the cancel and now (the caller had not resumed yet)
+            elif droppable and not self.closed and self._handed_over(payload, end):
+                if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
+                    self.reader.drop_payload(p.rid)
+                p.dropped = True
+                fut.cancel()
+            else:
+                fut.cancel()
+                self.abort(TransportError("request cancelled; connection discarded"))
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-            if end is not None and self._handed < end and not self.closed:
+            if end is not None and self._handed < end and not self.closed and not p.dropped:
                 # Answered (refused) before all of it was handed over: the rest is the caller's
                 # memory, not to be read once this returns. (A reply comes after the payload.)
                 self.abort(TransportError("the server answered before the request was sent; connection discarded"))
+
+    def _handed_over(self, payload: Sequence[memoryview], end: int | None) -> bool:
+        """Whether the transport holds none of a request's payload (the caller's memory) any more."""
+        if not payload:
+            return True
+        if end is not None:  # paced: each piece handed is the transport's copy
+            return self._handed >= end
+        assert self.transport is not None  # (otherwise: some buffer may be one of the caller's)
+        return not self.transport.get_write_buffer_size()
 
     def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
@@ -242,7 +278,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         left pending forever).
         """
         try:
-            fut = self._send(msg)
+            fut = self._send(msg).future
         except KVStoreError:
             return
         fut.add_done_callback(_drop_outcome)
@@ -251,8 +287,8 @@ class ClientConnection(asyncio.BufferedProtocol):
             fut.add_done_callback(lambda _: timer.cancel())
 
     def _send(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
-              make_sink: SinkFactory | None = None) -> asyncio.Future[Any]:
-        """Write one request; the future its reply (or error) will settle."""
+              make_sink: SinkFactory | None = None) -> _Pending:
+        """Write one request; its entry, whose future the reply (or error) will settle."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise self.close_reason or TransportError("connection is closed")
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
@@ -262,10 +298,9 @@ class ClientConnection(asyncio.BufferedProtocol):
             frame = [v for v in (memoryview(p).cast("B") for p in encode(msg, rid, payload, payload_len)) if v.nbytes]
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = _Pending(fut, make_sink)
+        p = self.pending[rid] = _Pending(asyncio.get_running_loop().create_future(), make_sink, rid=rid)
         self._write(frame)
-        return fut
+        return p
 
     def _time_out(self, fut: asyncio.Future[Any], timeout: float) -> None:
         if fut.done():

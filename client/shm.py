@@ -313,7 +313,8 @@ class ShmChannel:
 
     async def _request(self, conn: ClientConnection, msg: Message, make_sink: Any = None) -> Response:
         try:
-            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout)
+            # (not droppable: an SHM_GET's pins and an SHM_PUT's slots go back when the connection ends)
+            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout, droppable=False)
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 

@@ -52,7 +52,7 @@ class _LoopThread:
             self.loop.call_soon_threadsafe(call.start)
             return call.outcome.result()
         except BaseException:
-            # E.g. KeyboardInterrupt: cancel the request (its connection is dropped), and wait until the
+            # E.g. KeyboardInterrupt: cancel the request (its reply is dropped), and wait until the
             # call has ended, so that no reply lands in the caller's buffers after we raise.
             if not call.ended.is_set():  # (else the call had ended: its own exception, nothing in flight)
                 call.wait_out(self.loop)

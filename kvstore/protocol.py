@@ -219,6 +219,17 @@ class FrameReader:
         self._discarding = False
         self._skip_empty_items()
 
+    def drop_payload(self, request_id: int) -> None:
+        """Send the rest of frame ``request_id``'s payload, now coming in, nowhere (its
+        reader stopped waiting): no byte more lands in the sink's buffers."""
+        if not self._in_payload or self._rid != request_id:
+            raise ValueError(f"no payload of request {request_id} is coming in")
+        # (a view lent by get_buffer whose receive found nothing is not used again: get_buffer lends anew)
+        self._lent_target = False
+        self._sink = _Discard(self._payload_left)
+        self._on_received = None
+        self._item, self._left_in_item, self._targets, self._discarding = 0, self._payload_left, [], True
+
     # -- events
     def next_event(self) -> Frame | PayloadDone | _NeedData:
         if self._in_payload:

@@ -188,7 +188,7 @@ def test_a_blocking_client_used_after_fork_raises_in_the_child() -> None:
         assert kv.exists(make_keys("f", 1)) == [True]  # the parent's client is fine
 
 
-def test_an_interrupted_blocking_call_has_dropped_its_connection_when_it_raises() -> None:
+def test_an_interrupted_blocking_call_writes_nothing_into_its_buffer_after_it_raises() -> None:
     with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="t", pool_size=1) as kv:
         k = make_keys("int", 1)
         kv.put(k, [b"x" * 1000])
@@ -200,10 +200,14 @@ def test_an_interrupted_blocking_call_has_dropped_its_connection_when_it_raises(
         try:
             with pytest.raises(KeyboardInterrupt):
                 kv.get_into(k, [buf])
-            assert all(c.closed for c in kv._aio.nodes[0].conns)  # no reply can land in buf from now on
+            buf[:] = b"y" * 1000  # the caller's again
         finally:
             signal.signal(signal.SIGALRM, old)
             os.kill(srv.proc.pid, signal.SIGCONT)
+        assert kv.ping() >= 0  # (answered after the interrupted get's reply, on the same connection)
+        assert buf == b"y" * 1000  # that reply was read and dropped
+        (conn,) = kv._aio.nodes[0].conns
+        assert not conn.closed  # and the connection kept
         assert kv.get_into(k, [buf]) == [True] and buf == b"x" * 1000
 
 
@@ -354,6 +358,54 @@ async def test_cancelling_one_request_queued_behind_a_put_leaves_the_others_wait
             outcomes = await asyncio.gather(put, *others[1:], return_exceptions=True)
             assert not any(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
             assert others[0].cancelled()
+
+
+async def test_a_cancelled_request_leaves_the_other_requests_on_its_connection_alone() -> None:
+    """One task's cancelled get_into (a wait_for timing out, before, while or after its reply comes)
+    neither fails another task's pinned lookup and unpinning get on the same connection nor leaks
+    their leases (it discarded the connection: they failed, and their leases waited for expiry),
+    and no byte lands in its buffers after the cancel."""
+    import random
+
+    rng = random.Random(5)
+    with ServerProcess("--capacity", "64MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="cancel", pool_size=1, timeout=30) as kv:
+            keys = make_keys("cancel", 8)
+            blocks = [os.urandom(1 << 20) for _ in keys]
+            await kv.put(keys, blocks)
+            (conn,) = kv.nodes[0].conns
+            drops = 0
+            real_drop = conn.reader.drop_payload
+
+            def counting_drop(rid: int) -> None:
+                nonlocal drops
+                drops += 1
+                real_drop(rid)
+
+            conn.reader.drop_payload = counting_drop  # type: ignore[method-assign]
+
+            async def innocent() -> None:
+                n = await kv.lookup(keys, pin=True)
+                bufs = [bytearray(1 << 20) for _ in range(n)]
+                assert await kv.get_into(keys[:n], bufs, unpin=True) == [True] * n and bufs == blocks[:n]
+
+            cancelled: list[list[bytearray]] = []
+            for _ in range(120):
+                bufs = [bytearray(1 << 20) for _ in keys]
+                other = asyncio.ensure_future(innocent())
+                try:
+                    await asyncio.wait_for(kv.get_into(keys, bufs), rng.uniform(0, 0.008))
+                except asyncio.TimeoutError:
+                    for b in bufs:
+                        b[:] = b"\xee" * len(b)  # the caller's again: nothing may write into it now
+                    cancelled.append(bufs)
+                await other
+            await kv.ping()
+            assert kv.nodes[0].conns == [conn] and not conn.closed  # never discarded
+            assert all(b == b"\xee" * len(b) for bufs in cancelled for b in bufs)
+            assert cancelled and drops  # (some cancels came while their reply was coming in)
+            store = (await kv.stats())["store"]
+            assert store["leases"] == 0 and store["pinned_blocks"] == 0
 
 
 async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
