@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
 import ssl
 import sys
 import time
@@ -40,6 +41,12 @@ from .workers import run_parallel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+#: Forks this process descends from: a forked child's copy of a client shares its parent's
+#: sockets (and its event loop's epoll set), so it must never use nor close them.
+_forks = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 def checksum(block: memoryview) -> int:
@@ -212,6 +219,7 @@ class _Node:
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
         self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
+        self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
 
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
@@ -241,9 +249,23 @@ class _Node:
         if not self.hello_seen:
             await self.call(Ping(), idempotent=idempotent)
 
+    def _at_home(self) -> bool:
+        """Whether this process and event loop own the node's connections (or it has none yet)."""
+        if self.home is None:
+            return True
+        return self.home[0] == _forks[0] and self.home[1] is asyncio.get_running_loop()
+
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
             raise TransportError(_CLOSED)
+        if self.home is None:
+            self.home = (_forks[0], asyncio.get_running_loop())
+        elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
+            if self.home[0] != _forks[0]:
+                raise TransportError("this AsyncKVClient was made in the parent of a fork; make a new one "
+                                     "in this process")
+            raise TransportError("this AsyncKVClient's connections belong to the event loop it first ran on "
+                                 "(an asyncio.run per call?); use one client per event loop")
         for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
             if not conn.pending and not conn.closed:
                 return conn
@@ -336,6 +358,10 @@ class _Node:
     async def close(self) -> None:
         opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
+        at_home, self.home = self._at_home(), None
+        if not at_home:  # another loop's or the parent's sockets: forgotten here, never touched
+            self.shm, self.shm_tried = None, None
+            return
         for conn in conns:  # what a request cut off by this reports (not "closed by server")
             conn.close_reason = conn.close_reason or TransportError(_CLOSED)
         closing = asyncio.gather(*(conn.aclose() for conn in conns))
@@ -442,8 +468,10 @@ class AsyncKVClient:
 
     async def close(self) -> None:
         """Close every connection; later calls raise ``TransportError`` until :meth:`connect`."""
-        if self._background:  # leases a failed lookup is giving back: let them go first (a second at most)
-            await asyncio.wait(set(self._background), timeout=1.0)
+        loop = asyncio.get_running_loop()
+        giving_back = {f for f in self._background if f.get_loop() is loop}  # (another loop's: not ours to wait on)
+        if giving_back:  # leases a failed lookup is giving back: let them go first (a second at most)
+            await asyncio.wait(giving_back, timeout=1.0)
         self.closed = True
         await asyncio.gather(*(n.close() for n in self.nodes))
 

@@ -3,7 +3,9 @@
 Each key goes to the server whose ``xxh3_64(key, seed=server)`` is highest, so
 adding a server moves only the keys it now wins (about 1/N of them) and removing
 one moves only its own keys; every client computes the same placement with no
-coordination. See Thaler & Ravishankar, "Using name-based mappings to increase
+coordination -- from the address strings as written: ``localhost:7600`` and
+``127.0.0.1:7600`` name the same server but place keys differently, so prefill
+and decode engines must list their servers spelled alike (the order is free). See Thaler & Ravishankar, "Using name-based mappings to increase
 hit rates" (1998).
 """
 

@@ -155,3 +155,71 @@ def test_an_interrupted_blocking_call_has_ended_when_it_raises() -> None:
         signal.signal(signal.SIGALRM, old)
     time.sleep(0.5)  # longer than the call would take to write
     assert buf == bytearray(4)
+
+
+def test_an_async_client_used_in_a_forked_child_raises_there_and_the_parent_keeps_its_connections() -> None:
+    """A forked child's copy of an AsyncKVClient shares the parent's sockets: a request from it went out
+    on the parent's connection with the parent's next request id, and the parent could take the child's
+    reply (another key's block, its checksum valid) for its own. The child gets a TransportError now,
+    and its close() touches nothing of the parent's."""
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        loop = asyncio.new_event_loop()
+        kv = AsyncKVClient(srv.addr, namespace="fork", pool_size=1)
+        try:
+            keys = [key(i, "fork") for i in range(2)]
+            loop.run_until_complete(kv.put(keys, [b"A" * 4096, b"B" * 4096]))
+            (conn,) = kv.nodes[0].conns
+            pid = os.fork()
+            if pid == 0:  # the child: a loop of its own, the inherited client
+                signal.alarm(20)
+                code = 3
+                try:
+                    async def child() -> int:
+                        try:
+                            await kv.get([keys[1]])
+                            return 1
+                        except TransportError as exc:
+                            await kv.close()  # (must not close the parent's sockets)
+                            return 0 if "fork" in str(exc) else 2
+                    code = asyncio.run(child())
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            buf = bytearray(4096)
+            assert loop.run_until_complete(kv.get_into([keys[0]], [buf])) == [True] and buf == b"A" * 4096
+            assert kv.nodes[0].conns == [conn] and not conn.closed  # the child did not touch it
+        finally:
+            loop.run_until_complete(kv.close())
+            loop.close()
+
+
+# (the first asyncio.run closes its loop with the client's connection open: asyncio warns of it when
+# the forgotten transport is collected, as it should)
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_async_client_used_from_another_event_loop_says_so_at_once() -> None:
+    """Its connections belong to the loop it first ran on: a call from another loop (an
+    ``asyncio.run`` per call) waited out the timeout and raised RequestTimeout, though the server had
+    answered. It raises a TransportError that says why, at once; close() lets it start over."""
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        kv = AsyncKVClient(srv.addr, namespace="loops", timeout=20)
+        asyncio.run(kv.put([key(1, "loops")], [b"x" * 100]))
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="event loop"):
+            asyncio.run(kv.exists([key(1, "loops")]))
+        assert time.monotonic() - t0 < 5
+
+        async def again() -> list[bool]:
+            await kv.close()
+            await kv.connect()
+            try:
+                return await kv.exists([key(1, "loops")])
+            finally:
+                await kv.close()
+
+        assert asyncio.run(again()) == [True]
+        gc.collect()  # (the first loop's transport: its warning is this test's)
