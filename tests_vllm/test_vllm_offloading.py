@@ -278,6 +278,39 @@ def test_refused_store_is_not_fatal(make_engine: Callable[..., Engine],
         assert not engine.scheduler.requests
 
 
+def test_prefill_for_remote_decode_stores_the_chunks_a_failing_store_of_another_request_holds(
+        make_engine: Callable[..., Engine], make_server: Callable[..., ServerProcess]) -> None:
+    """A ``do_remote_decode`` request left the chunks another request was storing to that store; when it
+    failed (the server full), the remote decoder found none of them. It stores them itself now."""
+    server = make_server("--capacity", "1MiB")
+    with KVClient(server.addr, namespace="filler") as filler:
+        filler_keys = [b"filler-%d" % i for i in range(16)]
+        try:
+            filler.put(filler_keys, [bytes([i]) * 60_000 for i in range(16)])
+        except KVStoreError:
+            pass  # what did not fit did not fit
+        filler.lookup(filler_keys, pin=True, lease_ms=600_000)  # full of pinned blocks: a store fails
+        engine = make_engine(server.addr, async_scheduling=True)  # (a store's outcome comes a step late)
+        prompt = list(range(1000, 1026))  # two offloaded blocks and two tokens
+        engine.new_request(prompt)
+        remote = None
+        for step in range(12):
+            engine.step(0 if step < 6 else EOS_TOKEN_ID)
+            if engine.worker.store_failures and remote is None:  # the plain request's store failed ...
+                filler.unpin(filler_keys)
+                filler.delete(filler_keys)  # ... and there is room again
+                in_flight = set(engine.manager._storing)
+                remote = engine.new_request(prompt + list(range(2000, 2012)),
+                                            kv_transfer_params={"do_remote_decode": True})
+        engine.drain()
+        assert remote is not None and engine.worker.store_failures == 1
+        keys = [chunk_key(remote, c) for c in range(3)]
+        assert in_flight & {make_offload_key(remote.block_hashes[2], 0)}  # (the window the test is about)
+        with KVClient(server.addr, namespace=engine.manager.client.namespace) as kv:
+            assert kv.exists(keys) == [True, True, True]
+            assert kv.lookup(keys) == 3  # the remote decoder finds the whole prompt
+
+
 # --------------------------------------------------------------------------- the docs
 
 

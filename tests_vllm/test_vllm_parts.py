@@ -4,6 +4,7 @@ with partial chunks -- against a real kvstore server where one is needed.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvstore.integrations.vllm import (
     KVStoreOffloadingWorker,
     KVStoreSettings,
     default_namespace,
+    layout_tag,
     store_key,
 )
 from kvstore.server.process import ServerProcess
@@ -182,12 +184,17 @@ def test_stores_are_deduplicated_against_the_server_and_in_flight(kv: KVClient,
     plain, pd = context("a", chain), context("b", chain, {"do_remote_decode": True})
     out = m.prepare_store(chain, plain)
     assert out is not None and out.keys_to_store == chain[1:]
-    out = m.prepare_store(chain, pd)  # P/D stores all -- but not what is being stored right now
-    assert out is not None and out.keys_to_store == chain[:1]
-    m.complete_store(chain[1:], plain)
-    m.complete_store(chain[:1], pd)
+    out = m.prepare_store(chain, context("c", chain))  # what is being stored right now is left to that store
+    assert out is not None and out.keys_to_store == []
+    # P/D stores all, also what another request is storing: that store may fail (nobody hears of
+    # it), and the remote decoder needs the whole prompt
     out = m.prepare_store(chain, pd)
     assert out is not None and out.keys_to_store == chain
+    m.complete_store(chain[1:], plain)
+    m.complete_store(chain, pd)
+    assert not m._storing
+    out = m.prepare_store(chain, plain)
+    assert out is not None and out.keys_to_store == chain[1:]
 
 
 def test_a_store_names_each_chunks_predecessor(kv: KVClient, kvstore_server: ServerProcess) -> None:
@@ -259,10 +266,11 @@ def paged_caches(seed: int | None, device: str = "cpu") -> tuple[list[torch.Tens
     return tensors, canonical
 
 
-def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0, namespace: str = "parts") -> KVStoreOffloadingWorker:
+def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0, namespace: str = "parts",
+           layout_tag: str | None = None) -> KVStoreOffloadingWorker:
     client = KVClient(addr, namespace=namespace)
     client.connect()
-    return KVStoreOffloadingWorker(caches, client, blocks_per_chunk=3, rank=rank)
+    return KVStoreOffloadingWorker(caches, client, blocks_per_chunk=3, rank=rank, layout_tag=layout_tag)
 
 
 def finish(w: KVStoreOffloadingWorker, job_id: int) -> None:
@@ -349,6 +357,47 @@ def test_a_store_with_a_gap_puts_each_stretch_behind_its_own_predecessor(make_se
     assert client.lookup([store_key(k, 0) for k in chain]) == 3
     client.close()
     w.shutdown()
+
+
+def test_a_chunk_of_another_kv_dtype_or_layout_is_refused_not_loaded(kvstore_server: ServerProcess) -> None:
+    """vLLM hands workers int8 pages: an fp16 engine's chunk has the bytes, size and shape a bf16
+    (or HND) engine expects, and was loaded as its own -- garbage values, reported a success -- by
+    engines sharing a namespace. The KV dtype and layout are in the payload's fingerprint now."""
+    src, src_caches = paged_caches(seed=1)
+    chunk = keys(1)
+    prefill = worker(kvstore_server.addr, src_caches, namespace="shared", layout_tag="float16/NHD")
+    assert prefill.submit_store(1, GPULoadStoreSpec([0, 1, 2], [3], [0]), KVStoreLoadStoreSpec(chunk))
+    finish(prefill, 1)
+    for job, tag in enumerate(["bfloat16/NHD", "float16/HND", None], start=2):
+        dst, dst_caches = paged_caches(seed=None)
+        decode = worker(kvstore_server.addr, dst_caches, namespace="shared", layout_tag=tag)
+        assert decode.submit_load(job, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([3, 4, 5], [3], [0]))
+        decode.wait({job})
+        [result] = decode.get_finished()
+        assert (result.job_id, result.success) == (job, False), tag
+        assert not any(d.any() for d in dst)  # nothing scattered
+        decode.shutdown()
+    dst, dst_caches = paged_caches(seed=None)
+    decode = worker(kvstore_server.addr, dst_caches, namespace="shared", layout_tag="float16/NHD")
+    assert decode.submit_load(9, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([3, 4, 5], [3], [0]))
+    finish(decode, 9)  # the same dtype and layout load
+    assert all(torch.equal(d[[3, 4, 5]], s[[0, 1, 2]]) for s, d in zip(src, dst))
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_the_spec_tags_payloads_with_the_engines_kv_dtype_and_layout(kvstore_server: ServerProcess) -> None:
+    config = offloading_config({"kvstore_addr": kvstore_server.addr})
+    assert layout_tag(config) == f"{config.model.dtype}/{config.kv_cache_layout or 'auto'}"
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    hnd = dataclasses.replace(config, kv_cache_layout="HND")
+    assert len({layout_tag(config), layout_tag(bf16), layout_tag(hnd)}) == 3
+    headers = []
+    for c in (config, bf16, hnd):  # the spec's worker puts its engine's tag in its payloads
+        w = KVStoreOffloadingSpec(c).get_worker(paged_caches(seed=None)[1])
+        headers.append(bytes(w._transfers[0]._header.numpy()))
+        w.shutdown()
+    assert len(set(headers)) == 3
 
 
 def test_worker_reports_a_missing_chunk_as_a_failed_load(kvstore_server: ServerProcess) -> None:

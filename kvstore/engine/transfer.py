@@ -4,7 +4,7 @@ Payload layout (one offloaded block = ``factor`` GPU blocks x all layers of one 
 
     offset 0   16-byte header: magic b"kvsP", u16 version (1), u16 factor,
                8-byte layout fingerprint (sha256 of the per-layer shapes/dtypes,
-               block dimension and factor)
+               block dimension and factor, and the caller's ``layout_tag``)
     offset 16  layer 0 part, then layer 1 part, ... in the order of ``kv_caches``
 
 A layer part is the raw bytes (``.view(torch.uint8)``, so bf16 and fp8 travel bit-exact) of
@@ -16,7 +16,8 @@ usual ``[2, num_blocks, block_size, heads, dim]`` (``block_dim=1``) a part is
 
 The header makes a payload from a different dtype, shape or factor fail loudly
 (:class:`PayloadMismatch`, a :class:`~kvstore.errors.BlockSizeError`) even when its size
-happens to match. Payloads of one layout are interchangeable between processes and hosts.
+happens to match. Tensors that are untyped byte views (vLLM hands its workers ``int8``
+pages) show no dtype or axis order: ``layout_tag`` names what their bytes mean. Payloads of one layout are interchangeable between processes and hosts.
 
 On CUDA, gathers and scatters run on a side stream through pinned host buffers (one
 device->host or host->device copy per payload) and are synchronized before returning; on a
@@ -68,12 +69,15 @@ class PagedKVTransfer:
         block_size_factor: GPU blocks per offloaded block.
         block_dim: the GPU-block axis of every layer tensor (1 for ``[2, N, B, H, D]``,
             0 for ``[N, 2, B, H, D]``); not the last axis.
+        layout_tag: what the tensors do not show of their bytes' meaning (e.g. the KV dtype
+            and layout behind byte views), folded into the fingerprint; None adds nothing.
 
     Raises:
         ValueError: the tensors disagree or the layout is unsupported.
     """
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size_factor: int, *, block_dim: int = 1) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size_factor: int, *, block_dim: int = 1,
+                 layout_tag: str | None = None) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors given")
         if block_size_factor < 1:
@@ -101,6 +105,8 @@ class PagedKVTransfer:
             self._layers.append(raw)
             self._part_shapes.append(tuple(shape))
             description.append((str(cache.dtype), tuple(cache.shape[:dim] + cache.shape[dim + 1 :])))
+        if layout_tag is not None:
+            description.append(("tag", layout_tag))
         self._part_sizes = [_numel(s) for s in self._part_shapes]
         self._offsets = [HEADER_SIZE + sum(self._part_sizes[:i]) for i in range(len(self._part_sizes))]
         self.payload_size = HEADER_SIZE + sum(self._part_sizes)

@@ -30,7 +30,7 @@ P/D. A request whose ``kv_transfer_params`` has ``do_remote_decode`` gets
 ``OffloadPolicy.REQUEST_LEVEL`` from :meth:`KVStoreOffloadingManager.on_new_request`,
 so vLLM offers every chunk of it for storing, the loaded prefix included, and
 :meth:`~KVStoreOffloadingManager.prepare_store` stores them all (without the
-dedup against the server that other requests get): when the prefill finishes,
+dedup against the server and the stores in flight that other requests get): when the prefill finishes,
 the whole prompt is in the store for the remote decode engine, even chunks
 evicted since the lookup.
 
@@ -223,6 +223,13 @@ def default_namespace(config: OffloadingConfig) -> str:
     if len(ns) > _MAX_NAMESPACE:  # a long local model path: keep it unique, not readable
         ns = "vllm/" + hashlib.sha256(ns.encode()).hexdigest()
     return ns
+
+
+def layout_tag(config: OffloadingConfig) -> str:
+    """What a worker's int8 pages mean: the KV dtype and layout, folded into every payload's
+    fingerprint, so that an engine never loads another's chunk read as its own dtype or axis
+    order (from a namespace shared on purpose, ``kvstore_namespace``)."""
+    return f"{config.model.dtype}/{config.kv_cache_layout or 'auto'}"
 
 
 def _parse_addr(value: Any) -> str | tuple[str, ...]:
@@ -440,8 +447,10 @@ class KVStoreOffloadingManager(OffloadingManager):
         return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        todo = [bytes(k) for k in keys if not self._storing[k]]
         remote_decode = _remote_decode(req_context)
+        # A chunk another request is storing is left to it -- but not by a request whose decoder runs
+        # elsewhere: that store may fail (its failure reaches nobody), and this prompt must be whole.
+        todo = [bytes(k) for k in keys if remote_decode or not self._storing[k]]
         if todo and (self._remote_decode_dedup or not remote_decode):
             try:
                 self.round_trips += 1
@@ -545,14 +554,16 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, client: KVClient, *, blocks_per_chunk: int,
-                 rank: int = 0) -> None:
+                 rank: int = 0, layout_tag: str | None = None) -> None:
         self._client = client
         self._rank = rank
         self._bpc = blocks_per_chunk
         self._transfers: list[PagedKVTransfer | None] = []
         for refs in kv_caches.group_data_refs:
             views = [kv_caches.tensors[r.tensor_idx].tensor[:, : r.page_size_bytes] for r in refs]
-            self._transfers.append(PagedKVTransfer(views, blocks_per_chunk, block_dim=0) if views else None)
+            # (int8 pages show no dtype nor layout: the tag puts them in the payloads' fingerprint)
+            self._transfers.append(PagedKVTransfer(views, blocks_per_chunk, block_dim=0, layout_tag=layout_tag)
+                                   if views else None)
         self._device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else torch.device("cpu")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
@@ -753,5 +764,6 @@ class KVStoreOffloadingSpec(OffloadingSpec):
                 self.settings.client(timeout=max(self.settings.timeout, MIN_TRANSFER_TIMEOUT_S)),
                 blocks_per_chunk=self.blocks_per_chunk,
                 rank=self.config.parallel.rank,
+                layout_tag=layout_tag(self.config),
             )
         return self._worker
