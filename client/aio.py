@@ -30,7 +30,7 @@ from kvstore.errors import (
 from kvstore.keys import check_keys
 from kvstore.protocol import (
     DEFAULT_LIMITS, EXISTED, STORED, Delete, Exists, Flush, Get, Limits, Lookup, Message, Ping, Put, Stats, Unpin,
-    iter_payload,
+    flat_bytes, iter_payload,
 )
 
 from . import replies
@@ -107,7 +107,10 @@ class _Recycler:
                 buf = q.popleft()
                 q.append(buf)
                 if sys.getrefcount(buf) == 3:  # the deque, `buf`, getrefcount's argument: nobody else
-                    return buf
+                    if len(buf) == size:
+                        return buf
+                    q.pop()  # resized by its last holder (extend, del buf[i:]): not of this size any more
+                    self.held -= size
         buf = bytearray(size)
         if self.held + size > self.max_bytes:
             self._trim(size)
@@ -146,8 +149,10 @@ class _GetSink:
     caller reports it. ``finish`` settles the last block.
     """
 
-    def __init__(self, fields: dict[str, Any], n: int, buffers: Sequence[memoryview] | None,
+    def __init__(self, fields: dict[str, Any], keys: Sequence[bytes], buffers: Sequence[memoryview] | None,
                  recycler: _Recycler | None = None, verify: bool = False) -> None:
+        n = len(keys)
+        self.keys = keys
         sizes = replies.block_sizes(fields.get("sizes"), n, "GET")
         sums = replies.checksums(fields.get("checksums"), n, "GET")
         self.index = [i for i, s in enumerate(sizes) if s >= 0]
@@ -170,7 +175,7 @@ class _GetSink:
         else:
             dst = self.buffers[i]
             if len(dst) != size:
-                self.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(dst)}")
+                self.errors[i] = replies.size_error(self.keys[i], size, len(dst))
                 return None
         self.out[i] = dst
         if self.verify and self.checksums[i]:
@@ -435,14 +440,22 @@ class AsyncKVClient:
         self.token = token
         self.tls = _ssl_context(tls)
         self.server_hostname = server_hostname
-        for name, value in (("pool_size", pool_size), ("retries", retries)):
-            if type(value) is not int or value < 0:
-                raise InvalidRequest(f"{name} must be an integer >= 0, got {value!r}")
-        self.pool_size = max(1, pool_size)
+        if type(pool_size) is not int or pool_size < 1:
+            raise InvalidRequest(f"pool_size must be an integer >= 1, got {pool_size!r}")
+        if type(retries) is not int or retries < 0:
+            raise InvalidRequest(f"retries must be an integer >= 0, got {retries!r}")
+        self.pool_size = pool_size
         self.timeout = _seconds("timeout", timeout)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.retries = retries
         self.backoff = _seconds("backoff", backoff, zero=True)
+        for name, value in (("recycle_bytes", recycle_bytes), ("split_bytes", split_bytes)):
+            if type(value) is not int or value < 0:
+                raise InvalidRequest(f"{name} must be an integer >= 0 (bytes), got {value!r}")
+        if not isinstance(limits, Limits):
+            raise InvalidRequest(f"limits must be a kvstore.protocol.Limits, got {limits!r}")
+        if shm not in (None, True, False):
+            raise InvalidRequest(f"shm must be None, True or False, got {shm!r}")
         self.verify = verify
         self.limits = limits
         self.shm = shm
@@ -711,16 +724,20 @@ class AsyncKVClient:
         Returns per key whether it was found. Raises ``BlockSizeError`` when a
         buffer's size differs from its block's (after the whole reply is read); like
         every error of :meth:`get` it carries ``result`` (the filled buffers' views).
+        A buffer that is not writable, contiguous memory is an ``InvalidRequest``.
         """
         views = []
         for i, b in enumerate(_listed(buffers, "buffers")):
             try:
                 mv = memoryview(b)
             except TypeError:
-                raise BlockSizeError(f"buffer {i} is a {type(b).__name__}, not a writable buffer") from None
+                raise InvalidRequest(f"buffer {i} is a {type(b).__name__}, not a writable buffer (tensors: "
+                                     "kvstore.engine.transfer.PagedKVTransfer, or a CPU tensor's "
+                                     ".view(torch.uint8).numpy())") from None
             if mv.readonly or not mv.c_contiguous:
-                raise BlockSizeError(f"buffer {i} is not a writable contiguous buffer")
-            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+                raise InvalidRequest(f"buffer {i} is not a writable contiguous buffer")
+            views.append(flat_bytes(mv))
+        keys = _listed(keys, "keys")  # (an iterator has no len: _get checks the keys themselves)
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} buffers")
         out = await self._get(keys, views, unpin)
@@ -746,8 +763,9 @@ class AsyncKVClient:
                 if node.shm is not None:  # same host: copied out of the arena, verified on the way
                     with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
                         return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
-                resp = await node.call(Get(keys=_pick(keys, idx), unpin=unpin), idempotent=not unpin,
-                                       make_sink=lambda f: _GetSink(f, len(idx), bufs, self._recycler, self.verify))
+                share = _pick(keys, idx)
+                resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin,
+                                       make_sink=lambda f: _GetSink(f, share, bufs, self._recycler, self.verify))
             except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
                 return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
             assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)

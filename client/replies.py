@@ -4,14 +4,14 @@ The codec checks a reply's framing; what its meta holds is checked here, field b
 field, so that a broken or hostile server makes the client raise the typed error
 the docs promise -- never a ``TypeError`` from the value it sent, never a wrong
 answer read out of it (a size of ``"4"`` taken for a missing block, a status of
-``0.0`` taken for "stored").
+``0.0`` taken for "stored"). Also the error of a block that does not fit its caller's buffer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvstore.errors import ProtocolError
+from kvstore.errors import BlockSizeError, ProtocolError
 
 UINT64_MAX = 2**64 - 1
 
@@ -32,6 +32,12 @@ def block_sizes(sizes: Any, n: int, what: str) -> list[int]:
     if not isinstance(sizes, list) or len(sizes) != n or any(type(s) is not int or s < -1 for s in sizes):
         raise ProtocolError(f"malformed {what} reply: sizes")
     return sizes
+
+
+def size_error(key: bytes, size: int, buffer_len: int) -> BlockSizeError:
+    """A caller's buffer that does not fit its block (named by key: a call split into shares and
+    parts numbers its blocks differently from the caller)."""
+    return BlockSizeError(f"block of key {key.hex()} has {size} bytes but its buffer has {buffer_len}")
 
 
 def checksums(sums: Any, n: int, what: str) -> list[int]:
@@ -56,4 +62,4 @@ def count(fields: dict[str, Any], name: str) -> int:
     return v
 
 
-__all__ = ["block_sizes", "bools", "checksums", "count", "statuses"]
+__all__ = ["block_sizes", "bools", "checksums", "count", "size_error", "statuses"]

@@ -256,8 +256,10 @@ def copy_runs(dst: Sequence[memoryview], src: Sequence[memoryview], hash_dst: bo
 class _InlineSink:
     """Receives the blocks an SHM_GET reply carries inline (tier blocks not in the arena)."""
 
-    def __init__(self, fields: dict[str, Any], buffers: Sequence[memoryview] | None, outcome: GetOutcome) -> None:
+    def __init__(self, fields: dict[str, Any], keys: Sequence[bytes], buffers: Sequence[memoryview] | None,
+                 outcome: GetOutcome) -> None:
         n = len(outcome.out)
+        self.keys = keys
         sizes, locs = replies.block_sizes(fields.get("sizes"), n, "SHM_GET"), fields.get("locs")
         if not isinstance(locs, list) or len(locs) != n:
             raise ProtocolError("malformed SHM_GET reply")
@@ -273,7 +275,7 @@ class _InlineSink:
             self.outcome.out[i] = buf
             return [memoryview(buf)]
         if len(self.buffers[i]) != size:
-            self.outcome.errors[i] = BlockSizeError(f"block {i} has {size} bytes but its buffer has {len(self.buffers[i])}")
+            self.outcome.errors[i] = replies.size_error(self.keys[i], size, len(self.buffers[i]))
             return None
         self.outcome.out[i] = self.buffers[i]
         return [self.buffers[i]]
@@ -363,7 +365,7 @@ class ShmChannel:
                    unpin: bool, verify: bool) -> GetOutcome:
         outcome = GetOutcome([None] * len(keys), [0] * len(keys))
         resp = await self._request(conn, ShmGet(keys=keys, unpin=unpin),
-                                   make_sink=lambda f: _InlineSink(f, buffers, outcome))
+                                   make_sink=lambda f: _InlineSink(f, keys, buffers, outcome))
         fields = resp.fields
         sizes, sums, locs, handle = (fields.get(k) for k in ("sizes", "checksums", "locs", "handle"))
         try:
@@ -410,7 +412,7 @@ class ShmChannel:
             size, expected = sizes[i], sums[i]
             if sum(len(v) for v in src) != size:  # (sizes and checksums are checked ints by now)
                 raise ProtocolError("malformed SHM_GET reply: sizes and locations disagree")
-            dst = self._destination(i, size, buffers, outcome)
+            dst = self._destination(i, keys[i], size, buffers, outcome)
             if dst is not None:
                 jobs.append(partial(copy_runs, [memoryview(dst)], src, True if verify and expected else None))
                 targets.append((i, dst, expected))
@@ -422,14 +424,13 @@ class ShmChannel:
                 outcome.out[i] = dst
         return verify and all(expected for _, _, expected in targets)
 
-    def _destination(self, i: int, size: int, buffers: list[memoryview] | None,
+    def _destination(self, i: int, key: bytes, size: int, buffers: list[memoryview] | None,
                      outcome: GetOutcome) -> memoryview | bytearray | None:
         if buffers is None:  # touched memory when the client has a recycled buffer of this size
             recycler = getattr(self.client, "_recycler", None)
             return recycler.take(size) if recycler is not None else bytearray(size)
         if len(buffers[i]) != size:
-            outcome.errors[i] = BlockSizeError(f"block {i} of this server's share has {size} bytes "
-                                               f"but its buffer has {len(buffers[i])}")
+            outcome.errors[i] = replies.size_error(key, size, len(buffers[i]))
             return None
         return buffers[i]
 

@@ -412,14 +412,22 @@ def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
                                  "transfer.PagedKVTransfer, or a CPU tensor's .view(torch.uint8).numpy())") from None
         if not mv.c_contiguous:
             raise InvalidRequest("a block must be a C-contiguous buffer")
-        views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        views.append(flat_bytes(mv))
     return views
+
+
+def flat_bytes(mv: memoryview) -> memoryview:
+    """A C-contiguous view as one flat run of bytes (the same memory); an empty one of any shape
+    (``np.zeros((0, 4))``, which ``cast`` refuses) as an empty view."""
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    return mv.cast("B") if mv.nbytes else memoryview(bytearray())
 
 
 __all__ = [
     # framing
     "HEADER", "HEADER_SIZE", "MAGIC", "NEED_DATA", "Frame", "FrameReader", "PayloadDone", "PayloadSink", "encode",
-    "error_reply", "foreign_reply", "iter_payload", "reply",
+    "error_reply", "flat_bytes", "foreign_reply", "iter_payload", "reply",
     # messages (kvstore.messages)
     "DEFAULT_LIMITS", "ERROR_OP", "EXISTED", "REPLY_BIT", "REQUESTS", "STORED", "VERSION", "Delete", "ErrorReply",
     "Exists", "Flush", "Get", "Hello", "Limits", "Lookup", "Message", "Ping", "Put", "Reply", "ShmAttach",

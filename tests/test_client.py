@@ -211,6 +211,48 @@ def test_an_interrupted_blocking_call_writes_nothing_into_its_buffer_after_it_ra
         assert kv.get_into(k, [buf]) == [True] and buf == b"x" * 1000
 
 
+@pytest.mark.parametrize("setting", [{"recycle_bytes": "x"}, {"recycle_bytes": None}, {"split_bytes": "x"},
+                                     {"split_bytes": -1}, {"limits": None}, {"pool_size": 0}, {"shm": "yes"}])
+def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict[str, object]) -> None:
+    """(they raised TypeError or AttributeError, one only at the first get; pool_size=0 meant 1)"""
+    with pytest.raises(InvalidRequest, match=next(iter(setting))):
+        AsyncKVClient("127.0.0.1:7600", **setting)  # type: ignore[arg-type]
+
+
+async def test_keys_of_any_iterable_empty_buffers_of_any_shape_and_a_misfit_named_by_its_key() -> None:
+    np = pytest.importorskip("numpy")
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=2, split_bytes=1 << 20) as kv:
+            empty, keys = make_keys("empty", 1), make_keys("shapes", 4)
+            await kv.put(iter(empty), [np.zeros((0, 4))])  # an empty block, whatever its shape
+            assert await kv.get_into(iter(empty), [np.zeros((0, 4))]) == [True]  # (keys: no len needed)
+            blocks = [bytes([i]) * (1 << 20) for i in range(4)]
+            await kv.put(keys, blocks)
+            bufs = [bytearray(1 << 20) for _ in range(3)] + [bytearray(100)]
+            with pytest.raises(BlockSizeError) as info:  # split in two parts: key 3 is the second part's 1
+                await kv.get_into(keys, bufs)
+            assert keys[3].hex() in str(info.value) and list(info.value.errors) == [3]
+            assert bufs[:3] == blocks[:3]
+
+
+async def test_a_recycled_buffer_its_last_holder_resized_is_not_handed_out_again() -> None:
+    """A block ``get`` returned is the caller's bytearray: grown or cut before it was dropped, it came
+    back from the recycler for its old size and the next get failed (ProtocolError, connection lost)."""
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            keys = make_keys("resized", 2)
+            blocks = [os.urandom(65536) for _ in keys]
+            await kv.put(keys, blocks)
+            for resize in (lambda b: b.extend(b"tail"), lambda b: b.__delitem__(slice(10, None))):
+                (mine,) = await kv.get(keys[:1])
+                resize(mine)
+                del mine
+                for _ in range(3):
+                    assert [bytes(b) for b in await kv.get(keys[1:])] == blocks[1:]
+            assert kv._recycler is not None and kv._recycler.held == sum(
+                len(b) for q in kv._recycler._by_size.values() for b in q)
+
+
 async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending() -> None:
     torch = pytest.importorskip("torch")
     with ServerProcess("--capacity", "16MiB") as srv:
@@ -219,8 +261,10 @@ async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending()
             with pytest.raises(InvalidRequest, match="bytes-like"):
                 await kv.put(k, [torch.zeros(4)])
             await kv.put(k, [torch.zeros(4).view(torch.uint8).numpy()])  # the way the message names
-            with pytest.raises(BlockSizeError, match="not a writable buffer"):
+            with pytest.raises(InvalidRequest, match="not a writable buffer"):  # (as a put's: not a size)
                 await kv.get_into(k, [torch.zeros(4)])
+            with pytest.raises(InvalidRequest, match="writable contiguous"):
+                await kv.get_into(k, [b"abcd"])
             with pytest.raises(InvalidRequest, match="encode"):
                 await kv.lookup(k, pin=True, lease_ms=2**70)
             assert kv.nodes[0].conns[0].in_flight == 0
