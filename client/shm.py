@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code,
+    IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code,
 )
 from kvstore.protocol import (
     ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmCommit, ShmGet, ShmPut,

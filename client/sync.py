@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Coroutine, Sequence, TypeVar
 
@@ -33,6 +34,7 @@ class _LoopThread:
         except ImportError:  # pragma: no cover
             self.loop = asyncio.new_event_loop()
         self.pid = os.getpid()
+        self.closing: set[asyncio.Task[None]] = set()  # closes of clients dropped unclosed, running
         self.thread = threading.Thread(target=self.loop.run_forever, name="kvstore-client-loop", daemon=True)
         self.thread.start()
 
@@ -109,6 +111,9 @@ class KVClient:
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", **kwargs: Any) -> None:
         self._runner = _LoopThread.get()
         self._aio = self._runner.run(_make(addr, kwargs))
+        # Dropped without close(): its connections live on in the shared loop thread (fds, and slots of
+        # the server's --max-connections) unless closed then.
+        weakref.finalize(self, _close_abandoned, self._runner, self._aio).atexit = False
 
     @property
     def namespace(self) -> str:
@@ -156,6 +161,19 @@ class KVClient:
 
     def ping(self) -> float:
         return self._runner.run(self._aio.ping())
+
+
+def _close_abandoned(runner: _LoopThread, aio: AsyncKVClient) -> None:
+    """Close the connections of a KVClient collected unclosed, on the loop thread, without waiting."""
+    if aio.closed or runner.pid != os.getpid() or runner.loop.is_closed():
+        return
+
+    def start() -> None:
+        task = runner.loop.create_task(aio.close())
+        runner.closing.add(task)
+        task.add_done_callback(runner.closing.discard)
+
+    runner.loop.call_soon_threadsafe(start)
 
 
 async def _make(addr: str | Sequence[str], kwargs: dict[str, Any]) -> AsyncKVClient:

@@ -575,3 +575,29 @@ async def test_a_non_contiguous_payload_is_refused_at_send_on_the_stock_loop() -
             assert (await conn.request(Ping(), timeout=5)).fields == {}
         finally:
             await conn.aclose()
+
+
+def test_blocking_clients_dropped_without_close_close_their_connections() -> None:
+    """(their sockets stayed open in the shared loop thread for the life of the process: 50 dropped
+    clients held 50 fds here and 50 connections on the server)"""
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        with KVClient(srv.addr, namespace="t") as kv:  # (the loop thread, started)
+            kv.ping()
+        gc.collect()
+        before = fds()
+        dropped = [KVClient(srv.addr, namespace="t") for _ in range(20)]
+        for client in dropped:
+            client.ping()
+        assert fds() >= before + 20
+        del dropped, client
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while fds() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fds() <= before
+        with KVClient(srv.addr, namespace="t") as kv:
+            assert kv.stats()["connections"] == 1
