@@ -766,6 +766,15 @@ class AsyncKVClient:
                 share = _pick(keys, idx)
                 resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin,
                                        make_sink=lambda f: _GetSink(f, share, bufs, self._recycler, self.verify))
+            except TooLarge as exc:
+                if buffers is not None or len(idx) < 2:  # (with buffers the sizes were known: a block too large)
+                    return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
+                # Blocks of unknown sizes over the server's reply limit (nothing was sent, no lease
+                # dropped): ask for each half.
+                half = len(idx) // 2
+                first, second = await one(node, idx[:half]), await one(node, idx[half:])
+                return GetOutcome(first.out + second.out, first.checksums + second.checksums,
+                                  {**first.errors, **{half + j: e for j, e in second.errors.items()}})
             except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
                 return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
             assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)

@@ -360,12 +360,12 @@ class Service:
                 res.checksums.append(ref.checksum)
                 res.refs.append(ref)
         self.check_reply_size(res)
-        if msg.unpin:
-            self.store.unpin(ns, msg.keys)
         missing = [i for i, b in enumerate(res.blocks) if b is None]
         if self.tier is None or not missing:
+            if msg.unpin:
+                self.store.unpin(ns, msg.keys)
             return res
-        return self._get_tier(ns, msg.keys, res, missing)
+        return self._get_tier(ns, msg, res, missing)
 
     def check_reply_size(self, res: GetResult) -> None:
         """Refuse a reply over the payload limit: the client's codec would drop the connection on it.
@@ -388,14 +388,16 @@ class Service:
         """True when no tier delete overlapped the read that began with ``token``."""
         return token is not None and token == self.deletes_started
 
-    async def _get_tier(self, ns: str, keys: list[bytes], res: GetResult, missing: list[int]) -> GetResult:
-        """Read through: fetch memory's misses in one round trip and promote them."""
+    async def _get_tier(self, ns: str, msg: Get, res: GetResult, missing: list[int]) -> GetResult:
+        """Read through: fetch memory's misses in one round trip and promote them (a GET's leases
+        are dropped once its reply is known to fit, as on the memory path: a refused GET keeps them)."""
         assert self.tier is not None
+        keys = msg.keys
         token = self.read_token()
         try:
             fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
         except Unavailable:
-            return res  # degraded: serve what memory has
+            fetched = [None] * len(missing)  # degraded: serve what memory has
         promote = self.may_promote(token)
         for i, item in zip(missing, fetched):
             if item is None:
@@ -413,6 +415,8 @@ class Service:
             except (CapacityError, TooLarge):
                 pass  # promotion is best effort; the block is served from the fetched copy
         self.check_reply_size(res)
+        if msg.unpin:
+            self.store.unpin(ns, keys)
         return res
 
     def release(self, refs: list[BlockRef]) -> None:

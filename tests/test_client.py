@@ -601,3 +601,24 @@ def test_blocking_clients_dropped_without_close_close_their_connections() -> Non
         assert fds() <= before
         with KVClient(srv.addr, namespace="t") as kv:
             assert kv.stats()["connections"] == 1
+
+
+async def test_a_get_of_unknown_sizes_over_the_reply_limit_is_asked_for_in_parts() -> None:
+    """``get`` (no buffers) guesses block sizes from its last reply: a fresh client's get of 8 x 1 MiB
+    from a server with --max-frame-size 4MiB was refused (TooLarge) whole, every time. Refused, it
+    asks for halves (the refusal sent nothing and kept the leases), down to what a reply carries."""
+    with ServerProcess("--capacity", "64MiB", "--max-frame-size", "4MiB") as srv:
+        keys = make_keys("parts", 8)
+        blocks = [bytes([i]) * (1 << 20) for i in range(8)]
+        async with AsyncKVClient(srv.addr, namespace="t") as kv:
+            await kv.put(keys, blocks)
+        for warm in (None, [b"s"]):
+            async with AsyncKVClient(srv.addr, namespace="t") as kv:
+                if warm:  # (its guess: tiny blocks)
+                    await kv.put(make_keys("small", 1), warm)
+                    await kv.get(make_keys("small", 1))
+                assert await kv.lookup(keys, pin=True) == 8
+                got = await kv.get(keys, unpin=True)
+                assert [bytes(b) for b in got] == blocks  # type: ignore[arg-type]
+                store = (await kv.stats())["store"]
+                assert store["leases"] == 0  # each lease dropped once, by the part that carried its block

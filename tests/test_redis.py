@@ -410,7 +410,12 @@ async def test_rediss_url_with_password_and_db(make_redis, make_server) -> None:
 
 async def test_get_reply_over_the_frame_limit_is_refused(redis_server: RedisProcess, make_server) -> None:
     """A reply the client's codec would refuse (dropping the connection) is answered TooLarge instead,
-    whether memory or a read-through found the blocks; their pins are released."""
+    whether memory or a read-through found the blocks; their pins are released, and a GET that would
+    drop leases keeps them (the client asks again in parts, and its get of them all succeeds)."""
+    from kvstore.client.connection import open_connection
+    from kvstore.messages import Get
+    from kvstore.protocol import Limits
+
     limit = ("--max-frame-size", "1MiB")
     keys = chain(3, "reply-limit")
     data = blocks(keys, 400_000)  # any two fit in one reply, three do not
@@ -421,11 +426,21 @@ async def test_get_reply_over_the_frame_limit_is_refused(redis_server: RedisProc
             await kv.put([k], [d])
     for srv in (writer, reader):
         async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
-            with pytest.raises(TooLarge, match="reply limit"):
-                await kv.get(keys)
-            assert (await kv.stats())["store"]["pinned_blocks"] == 0
-            assert payloads(await kv.get(keys[:2])) == data[:2]  # same connection, still in step
-            assert payloads(await kv.get(keys[2:])) == data[2:]
+            if srv is reader:  # two of the blocks in memory (leased below), the third read through
+                assert payloads(await kv.get(keys[:2])) == data[:2]
+            assert await kv.lookup(keys[:2], pin=True) == 2
+            conn = await open_connection("127.0.0.1", srv.port, namespace=NS, token=None, tls=None,
+                                         limits=Limits(), timeout=5)
+            try:
+                with pytest.raises(TooLarge, match="reply limit"):
+                    await conn.request(Get(keys=keys, unpin=True), timeout=10)
+            finally:
+                await conn.aclose()
+            store = (await kv.stats())["store"]
+            assert store["leases"] == 2 and store["pinned_blocks"] == 2  # the refused GET dropped no lease
+            assert payloads(await kv.get(keys, unpin=True)) == data  # in parts, each dropping its leases
+            store = (await kv.stats())["store"]
+            assert store["leases"] == 0 and store["pinned_blocks"] == 0
 
 
 def test_a_tier_write_that_fails_with_a_bug_keeps_nothing_unacknowledged(redis_server: RedisProcess) -> None:
