@@ -724,7 +724,8 @@ class AsyncKVClient:
         Returns per key whether it was found. Raises ``BlockSizeError`` when a
         buffer's size differs from its block's (after the whole reply is read); like
         every error of :meth:`get` it carries ``result`` (the filled buffers' views).
-        A buffer that is not writable, contiguous memory is an ``InvalidRequest``.
+        So is a read-only or non-contiguous buffer; an object that is no buffer at all (a
+        tensor) is an ``InvalidRequest``, as for :meth:`put`.
         """
         views = []
         for i, b in enumerate(_listed(buffers, "buffers")):
@@ -735,7 +736,7 @@ class AsyncKVClient:
                                      "kvstore.engine.transfer.PagedKVTransfer, or a CPU tensor's "
                                      ".view(torch.uint8).numpy())") from None
             if mv.readonly or not mv.c_contiguous:
-                raise InvalidRequest(f"buffer {i} is not a writable contiguous buffer")
+                raise BlockSizeError(f"buffer {i} is not a writable contiguous buffer")
             views.append(flat_bytes(mv))
         keys = _listed(keys, "keys")  # (an iterator has no len: _get checks the keys themselves)
         if len(views) != len(keys):

@@ -263,7 +263,7 @@ async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending()
             await kv.put(k, [torch.zeros(4).view(torch.uint8).numpy()])  # the way the message names
             with pytest.raises(InvalidRequest, match="not a writable buffer"):  # (as a put's: not a size)
                 await kv.get_into(k, [torch.zeros(4)])
-            with pytest.raises(InvalidRequest, match="writable contiguous"):
+            with pytest.raises(BlockSizeError, match="writable contiguous"):  # (a buffer, unfit)
                 await kv.get_into(k, [b"abcd"])
             with pytest.raises(InvalidRequest, match="encode"):
                 await kv.lookup(k, pin=True, lease_ms=2**70)
