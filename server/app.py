@@ -88,6 +88,10 @@ def _make_store(config: ServerConfig) -> BlockStore:
         return make(False)
 
 
+#: Signals that stop the server gracefully (drain, flush the write-behind queue, exit 0).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -127,7 +131,8 @@ class Server:
         return conn
 
     async def start(self) -> None:
-        self._stopping = asyncio.Event()
+        if self._stopping is None:  # (serve_forever makes it first: a signal during the start is kept)
+            self._stopping = asyncio.Event()
         if self.tier is not None:
             await self.tier.start()  # a Redis that is down only makes it start degraded
         try:
@@ -234,12 +239,14 @@ class Server:
             self._stopping.set()
 
     async def serve_forever(self, install_signals: bool = True) -> None:
-        await self.start()
+        """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a reload the server does not do:
+        each drains and flushes, never a kill), or :meth:`request_stop`."""
+        self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
-        if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+        if install_signals:  # before the "listening" line: a supervisor may stop the server as it sees it
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.request_stop)
-        assert self._stopping is not None
+        await self.start()
         await self._stopping.wait()
         log.info("stopping: draining %d connection(s)", len(self.connections))
         await self.shutdown()

@@ -192,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StartupError, ValueError, OSError, MemoryError) as exc:
         _say(exc, argv)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the arena is pre-faulted: a line, not a traceback
+        print("kvstore-server: interrupted before it listened", file=sys.stderr)
+        return 130
     try:
         _run(server.serve_forever())
     except StartupError as exc:  # a listener
