@@ -48,7 +48,10 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 #: Tier metrics exist only when the server has a backing tier.
-TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks")
+TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks",
+                *(f"kvstore_tier_{name}_total" for name in ("stored_blocks", "stored_bytes", "fetched_blocks",
+                                                             "fetch_misses", "checksum_mismatches",
+                                                             "misplaced_values", "failures", "outages")))
 
 
 class LatencyHistograms:
@@ -102,8 +105,14 @@ class KVStoreCollector:
         err = CounterMetricFamily("kvstore_errors", "Requests answered with an error, by op", labels=["op"])
         for op, n in sorted(snap["errors"].items()):
             err.add_metric([op], n)
+        failed = CounterMetricFamily("kvstore_put_failed_blocks",
+                                     "Blocks PUTs answered as not stored (the PUT itself succeeds), by error",
+                                     labels=["error"])
+        for name, n in sorted(snap.get("put_failed_blocks", {}).items()):
+            failed.add_metric([name], n)
         yield req
         yield err
+        yield failed
         yield CounterMetricFamily("kvstore_bytes_in", "Bytes received from clients", value=snap["bytes_in"])
         yield CounterMetricFamily("kvstore_bytes_out", "Bytes sent to clients", value=snap["bytes_out"])
         yield CounterMetricFamily("kvstore_busy_poll_seconds",
@@ -195,6 +204,22 @@ def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
                             value=tier.get("backlog_bytes", 0))
     yield GaugeMetricFamily("kvstore_tier_backlog_blocks", "Write-behind blocks not yet in the tier",
                             value=tier.get("backlog_blocks", 0))
+    for field, doc in _TIER_COUNTERS.items():
+        if field in tier:
+            yield CounterMetricFamily(f"kvstore_tier_{field}", doc, value=tier[field])
+
+
+#: The tier's counters (``kvstore-cli stats``), exported as ``kvstore_tier_<name>_total`` (TIER_METRICS).
+_TIER_COUNTERS = {
+    "stored_blocks": "Blocks written to the tier",
+    "stored_bytes": "Payload bytes written to the tier",
+    "fetched_blocks": "Blocks read through from the tier",
+    "fetch_misses": "Reads through that found no block (or a value that is not one)",
+    "checksum_mismatches": "Blocks read from the tier that failed their checksum",
+    "misplaced_values": "Values found under a key they do not belong to (copied or renamed in Redis)",
+    "failures": "Tier calls that failed (a refused write, e.g. Redis out of memory, too)",
+    "outages": "Times the tier went from healthy to degraded",
+}
 
 
 def make_registry(service: Service) -> CollectorRegistry:

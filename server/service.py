@@ -22,6 +22,7 @@ from kvstore import __version__
 from kvstore.config import ServerConfig
 from kvstore.errors import (
     CapacityError, InvalidRequest, KVStoreError, ServerError, TooLarge, Unauthorized, Unavailable, code_of,
+    from_code,
 )
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
 from kvstore.store import BlockRef, BlockStore, Reservation
@@ -70,6 +71,9 @@ class Counters:
     auth_failures: int = 0
     timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0, "reply": 0})
     latency: LatencyHistograms = field(default_factory=LatencyHistograms)
+    #: Blocks PUTs (and shm commits) answered as not stored, by error (the PUT itself is answered,
+    #: not an error reply: these never show in ``errors``).
+    put_failed_blocks: dict[str, int] = field(default_factory=dict)
 
     def count(self, op: str, failed: bool = False) -> None:
         self.requests[op] = self.requests.get(op, 0) + 1
@@ -88,9 +92,10 @@ class PutSink:
     """
 
     def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None,
-                 tier_writes: TierWrites | None = None) -> None:
+                 tier_writes: TierWrites | None = None, failed_blocks: dict[str, int] | None = None) -> None:
         self.store, self.ns, self.msg, self.tier = store, ns, msg, tier
         self.tier_writes: TierWrites = {} if tier_writes is None else tier_writes
+        self.failed_blocks = failed_blocks  # counted into at the end (Counters.put_failed_blocks)
         self.sizes = msg.sizes
         self.status: list[int] = [STORED] * len(msg.keys)
         self.errors: dict[int, str] = {}
@@ -144,7 +149,7 @@ class PutSink:
         self.reservations = []
         self._release_existing()
         if self.tier is None:
-            return self.fields()
+            return self._answer()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
         for i, st in enumerate(self.status):
@@ -152,7 +157,7 @@ class PutSink:
             if fut is not None:
                 others[i] = fut
         if not stored_idx and not others:
-            return self.fields()
+            return self._answer()
         mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
         for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
             self.tier_writes[(self.ns, keys[i])] = mine
@@ -176,6 +181,15 @@ class PutSink:
             if error is not None:  # gone from memory again: the client must store it again
                 self.status[i] = error.code
                 self.errors[i] = str(error)
+        return self._answer()
+
+    def _answer(self) -> Fields:
+        """The reply's fields, once final: its failed blocks counted."""
+        if self.failed_blocks is not None:
+            for st in self.status:
+                if st not in (STORED, EXISTED):
+                    name = type(from_code(st, "")).__name__
+                    self.failed_blocks[name] = self.failed_blocks.get(name, 0) + 1
         return self.fields()
 
     async def _write_to_tier(self, idx: list[int]) -> Unavailable | None:
@@ -315,7 +329,8 @@ class Service:
 
     # -- ops: synchronous in memory; a coroutine where the tier must be asked
     def begin_put(self, session: Session, msg: Put) -> PutSink:
-        return PutSink(self.store, session.namespace, msg, self.tier, self.tier_writes)
+        return PutSink(self.store, session.namespace, msg, self.tier, self.tier_writes,
+                       self.counters.put_failed_blocks)
 
     def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
         """A pinned lookup's lease is cut to --max-lease-seconds: leased blocks cannot be evicted,
@@ -499,6 +514,7 @@ class Service:
             "timeouts": dict(c.timeouts),
             "requests": dict(c.requests),
             "errors": dict(c.errors),
+            "put_failed_blocks": dict(c.put_failed_blocks),
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
             "tier": self.tier.stats() if self.tier is not None else None,

@@ -168,6 +168,41 @@ async def test_healthz_and_tier_metrics_with_a_live_redis(make_server, metrics_u
     assert value(samples, "kvstore_tier_backlog_bytes") >= 0
 
 
+async def test_failed_put_blocks_and_a_redis_refusing_writes_show_in_metrics(make_server, metrics_url,
+                                                                             redis_server) -> None:
+    """A PUT whose blocks fail is answered, not refused: it never counted in kvstore_errors_total. And a
+    Redis that refuses writes (out of memory) fails every write-through put while the tier is "up":
+    nothing on /metrics showed it. Both are counted now."""
+    import redis as redis_py
+
+    from kvstore.errors import KVStoreError
+
+    srv = make_server("--capacity", "1MiB", "--metrics-port", "0", "--max-block", "64KiB",
+                      "--redis", redis_server.url)
+    base = metrics_url(srv)
+    r = redis_py.Redis.from_url(redis_server.url)
+    async with AsyncKVClient(srv.addr, namespace="fail", retries=0) as kv:
+        with pytest.raises(KVStoreError):
+            await kv.put([key(1, "big")], [b"x" * (100 << 10)])  # over --max-block: TooLarge
+        r.set("filler", b"f" * 3_000_000)
+        r.config_set("maxmemory", "2mb")
+        r.config_set("maxmemory-policy", "noeviction")
+        try:
+            for i in range(3):
+                with pytest.raises(KVStoreError):
+                    await kv.put([key(i, "oom")], [b"y" * 1000])
+        finally:
+            r.config_set("maxmemory", "0")
+            r.delete("filler")
+    samples = scrape(base)
+    assert value(samples, "kvstore_put_failed_blocks_total", error="TooLarge") == 1
+    assert value(samples, "kvstore_put_failed_blocks_total", error="Unavailable") == 3
+    assert value(samples, "kvstore_tier_failures_total") == 3
+    assert value(samples, "kvstore_tier_up") == 1  # (Redis answers: refused writes are no outage)
+    assert value(samples, "kvstore_tier_outages_total") == 0
+    assert value(samples, "kvstore_tier_stored_blocks_total") == 0
+
+
 def test_metrics_port_is_off_by_default_and_loopback_does_not_warn(server) -> None:
     assert not any("metrics served at" in line for line in server.log)
     assert not any("non-loopback" in line or "clear text" in line for line in server.log)
