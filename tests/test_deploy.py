@@ -105,6 +105,20 @@ def test_dockerfile_entrypoint_is_the_console_script_and_copies_existing_files()
     assert {int(env["KVSTORE_PORT"]), int(env["KVSTORE_METRICS_PORT"])} == exposed
 
 
+def test_dockerfile_healthcheck_probes_liveness_on_the_metrics_port(make_server, metrics_url) -> None:
+    """Liveness (/livez), not readiness: /healthz is 503 while Redis is down, and an unhealthy
+    container may be restarted, its memory tier lost, for an outage a restart cannot mend."""
+    (check,) = [a for i, a in dockerfile() if i == "HEALTHCHECK"]
+    cmd = json.loads(check[check.index("CMD") + 3:].strip())
+    assert cmd[0] == "python" and "/livez" in cmd[-1] and "/healthz" not in cmd[-1]
+    srv = make_server("--capacity", "1MiB", "--metrics-port", "0", "--redis", "redis://127.0.0.1:1")  # Redis down
+    port = metrics_url(srv).rsplit(":", 1)[1]
+    env = {**os.environ, "KVSTORE_METRICS_PORT": port}
+    assert subprocess.run([sys.executable, *cmd[1:]], env=env, timeout=30).returncode == 0  # healthy
+    env["KVSTORE_METRICS_PORT"] = "1"  # nothing listens there: unhealthy
+    assert subprocess.run([sys.executable, *cmd[1:]], env=env, timeout=30, capture_output=True).returncode != 0
+
+
 def test_compose_references_existing_files_and_consistent_names() -> None:
     (compose,) = docs(DEPLOY / "docker-compose.yml")
     services = compose["services"]
