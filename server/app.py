@@ -19,7 +19,7 @@ from typing import Any
 from kvstore.config import ServerConfig, format_size
 from kvstore.store import BlockStore
 
-from .auth import TokenTable, server_tls_context, warn_if_exposed
+from .auth import EncryptedKey, TokenTable, server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
 from .redis_tier import RedisTier
@@ -63,6 +63,8 @@ def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
                 raise StartupError(f"{flag} {path}: {_reason(exc)}") from None
     try:
         return server_tls_context(config.tls_cert, config.tls_key)
+    except EncryptedKey as exc:
+        raise StartupError(f"--tls-key {config.tls_key}: {exc}") from None
     except ssl.SSLError as exc:
         raise StartupError(f"--tls-cert {config.tls_cert} --tls-key {config.tls_key}: not a PEM certificate "
                            f"chain and its private key ({exc.reason or exc})") from None
@@ -104,8 +106,10 @@ class Server:
             self.store = _make_store(config)
         except (OSError, MemoryError) as exc:
             reason = _reason(exc) if isinstance(exc, OSError) else "out of memory"
-            raise StartupError(f"--capacity {format_size(config.capacity)}: cannot map the block memory: "
-                               f"{reason}") from None
+            flag = f"--capacity {format_size(config.capacity)}"
+            if config.page_size > config.capacity:  # (the arena holds one page at least)
+                flag = f"--page-size {format_size(config.page_size)} (over {flag}: one page is mapped)"
+            raise StartupError(f"{flag}: cannot map the block memory: {reason}") from None
         self.service = Service(self.store, config, self.tier, tokens)
         self.limits = config.limits()
         self.metrics: MetricsServer | None = None

@@ -83,7 +83,8 @@ def server_tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | No
     """A server-side TLS context from a PEM certificate chain and key, or None without TLS.
 
     Raises:
-        ValueError: only one of the two files is given.
+        ValueError: only one of the two files is given, or the key is encrypted (a daemon has
+            no one to ask for its passphrase: OpenSSL would prompt on the terminal).
         OSError (ssl.SSLError): a file is missing or not a matching cert/key.
     """
     if not cert and not key:
@@ -92,8 +93,17 @@ def server_tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | No
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
+    ctx.load_cert_chain(cert, key, password=_no_passphrase)
     return ctx
+
+
+class EncryptedKey(ValueError):
+    """The TLS private key needs a passphrase."""
+
+
+def _no_passphrase() -> str:
+    raise EncryptedKey("the private key is encrypted; give the server an unencrypted one "
+                       "(e.g. openssl pkey -in KEY -out KEY.plain), readable only by its user")
 
 
 def is_loopback(host: str) -> bool:

@@ -44,10 +44,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _page(text: str) -> int:
+def _positive_size(text: str) -> int:
+    """A size that must be > 0: with 0 the server would start and refuse everything (or, for
+    --capacity, fail with an error that names no flag)."""
     size = _size(text)
-    if size <= 0:  # (the arena's own error would name no flag)
-        raise argparse.ArgumentTypeError(f"expected a page size > 0, got {text!r}")
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
     return size
 
 
@@ -73,6 +75,10 @@ def _optional_port(text: str) -> int | None:
 
 def _count(text: str) -> int:
     return parse_number(text, int, lambda v: v >= 0, "a whole number >= 0")
+
+
+def _positive_count(text: str) -> int:
+    return parse_number(text, int, lambda v: v > 0, "a whole number > 0")
 
 
 def _poll_window(text: str) -> int:
@@ -110,15 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
         env_default = _env_default(p, dest, default, convert, kw.get("choices"))
-        shown = _size_text(default) if convert in (_size, _page) else "unset" if default is None else default
+        shown = _size_text(default) if convert in (_size, _positive_size) else "unset" if default is None else default
         p.add_argument(flag, dest=dest, type=convert, default=env_default,
                        help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {shown}]", **kw)
 
     add("--host", str, d.host, "address to bind")
     add("--port", _port, d.port, "TCP port (0 = any free port)")
-    add("--capacity", _size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
+    add("--capacity", _positive_size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
     add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
-    add("--page-size", _page, d.page_size, "allocation unit of the block arena")
+    add("--page-size", _positive_size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", _lease, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--max-lease-seconds", _lease, d.max_lease_seconds,
         "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted); "
@@ -146,11 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--idle-timeout", _seconds, d.idle_timeout, "close a connection silent for this long (0 = never)")
     add("--frame-timeout", _seconds, d.frame_timeout,
         "drop a connection whose frame is incomplete, or whose reply does not move, this long (0 = never)")
-    add("--max-connections", _count, d.max_connections, "refuse connections over this many")
+    add("--max-connections", _positive_count, d.max_connections, "refuse connections over this many")
     add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
-    add("--max-batch", _count, d.max_batch, "most keys in one request")
-    add("--max-frame-size", _size, d.max_frame_size, "most payload bytes in one frame")
-    add("--max-block", _size, d.max_block, "most bytes in one block")
+    add("--max-batch", _positive_count, d.max_batch, "most keys in one request")
+    add("--max-frame-size", _positive_size, d.max_frame_size, "most payload bytes in one frame")
+    add("--max-block", _positive_size, d.max_block, "most bytes in one block")
     # same-host transport (docs/shm.md)
     add("--unix", str, d.unix, "also listen on this Unix socket path (mode 0660, removed on exit); "
         "same-host clients use unix:PATH and map the block arena over it")

@@ -110,6 +110,20 @@ def test_missing_tls_files_are_named_with_their_flag(tmp_path: Path, tls_files: 
     assert r.returncode == 2 and "--tls-cert" in error_line(r, "kvstore-server") and "--tls-key" in r.stderr
 
 
+def test_an_encrypted_tls_key_is_named_and_never_prompts_for(tmp_path: Path, tls_files: dict[str, Path]) -> None:
+    """(OpenSSL asked for a passphrase on the terminal, then: "kvstore-server: [Errno 22] Invalid argument")"""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(tls_files["key"].read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
+    r = server_run("--tls-cert", str(tls_files["cert"]), "--tls-key", str(encrypted))
+    assert r.returncode == 2 and "pass phrase" not in r.stdout + r.stderr
+    assert error_line(r, "kvstore-server").startswith(f"kvstore-server: --tls-key {encrypted}: the private key is "
+                                                      "encrypted")
+
+
 def test_a_missing_token_file_is_named_with_its_flag_before_the_arena_is_faulted(tmp_path: Path) -> None:
     missing = tmp_path / "tokens"
     r = server_run("--token-file", str(missing))
@@ -143,13 +157,19 @@ def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Pat
 @pytest.mark.parametrize(("flag", "value", "expected"), [
     ("--metrics-port", "abc", "a port number 0-65535 or 'off'"),
     ("--port", "http", "a port number 0-65535"),
-    ("--max-connections", "many", "a whole number >= 0"),
+    ("--max-connections", "many", "a whole number > 0"),
+    # 0 started a server that refused everything (--capacity 0: an error naming no flag)
+    ("--max-connections", "0", "a whole number > 0"),
+    ("--max-batch", "0", "a whole number > 0"),
+    ("--capacity", "0", "a size > 0"),
+    ("--max-frame-size", "0", "a size > 0"),
+    ("--max-block", "0", "a size > 0"),
     ("--redis-ttl", "1.5", "a whole number >= 0"),
     ("--busy-poll-us", "fast", "microseconds 0-10000 (0 = off)"),
     ("--idle-timeout", "5m", "a number of seconds >= 0"),
     ("--lease-seconds", "x", "a number of seconds > 0"),
     ("--redis-timeout", "x", "a number of seconds > 0"),
-    ("--page-size", "0", "a page size > 0"),  # (was the arena's "page_size must be a positive int": no flag)
+    ("--page-size", "0", "a size > 0"),  # (was the arena's "page_size must be a positive int": no flag)
 ])
 def test_server_flag_errors_say_what_was_expected(flag: str, value: str, expected: str) -> None:
     r = server_run(flag, value)
