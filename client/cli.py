@@ -316,7 +316,13 @@ async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> 
                 rtt = await kv.ping()
             else:
                 t0 = time.perf_counter()
-                await conn.request(Ping(), timeout=kv.timeout)
+                try:
+                    await conn.request(Ping(), timeout=kv.timeout)
+                except TransportError:
+                    if kv.tls is None and kv.nodes[0].unix is None:  # what a TLS server does with plain text
+                        raise TransportError(f"{args.addr} closed the connection at PING (does it expect TLS? "
+                                             "--tls or --tls-ca)") from None
+                    raise
                 rtt = time.perf_counter() - t0
             print(f"PONG from {args.addr} in {rtt * 1000:.3f} ms", file=out)
     finally:

@@ -465,6 +465,9 @@ class Service:
     def flush(self, session: Session, msg: Flush) -> MaybeAsync:
         ns = msg.namespace or session.namespace
         if session.grant is not None and not session.grant.allows(ns):
+            self.counters.auth_failures += 1  # (a refusal like HELLO's: logged and counted alike)
+            log.warning("refused FLUSH from %s of namespace %r: namespace not granted", session.peer, ns,
+                        extra={"event": "auth_failed", "peer": session.peer, "namespace": ns})
             raise Unauthorized(f"token not valid for namespace {ns!r}")
         n = self.store.flush(ns)
         if self.tier is None:

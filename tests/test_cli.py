@@ -163,6 +163,9 @@ def test_tls_options(make_server, tls_files: dict[str, Path]) -> None:
     assert r.returncode == 0
     r = cli("ping", "--tls", "--timeout", "3", addr=srv.addr)  # system CAs do not know the test CA
     assert r.returncode == 1 and "TLS" in one_error_line(r)
+    for command in ("ping", "stats"):  # plain text against TLS: both say what is likely wrong (ping, without
+        r = cli(command, "--timeout", "3", addr=srv.addr)  # a token, said only "connection closed by server")
+        assert r.returncode == 1 and "does it expect TLS" in one_error_line(r), one_error_line(r)
 
 
 def test_module_entry_point_is_the_same_program(server) -> None:
