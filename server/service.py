@@ -380,7 +380,10 @@ class Service:
             if msg.unpin:
                 self.store.unpin(ns, msg.keys)
             return res
-        return self._get_tier(ns, msg, res, missing)
+        # The leases to drop: of the blocks found now (a key missing now may be put and leased by
+        # another client while the tier answers: that lease is not this GET's to drop).
+        unpin = [k for k, b in zip(msg.keys, res.blocks) if b is not None] if msg.unpin else []
+        return self._get_tier(ns, msg.keys, res, missing, unpin)
 
     def check_reply_size(self, res: GetResult) -> None:
         """Refuse a reply over the payload limit: the client's codec would drop the connection on it.
@@ -403,11 +406,12 @@ class Service:
         """True when no tier delete overlapped the read that began with ``token``."""
         return token is not None and token == self.deletes_started
 
-    async def _get_tier(self, ns: str, msg: Get, res: GetResult, missing: list[int]) -> GetResult:
-        """Read through: fetch memory's misses in one round trip and promote them (a GET's leases
-        are dropped once its reply is known to fit, as on the memory path: a refused GET keeps them)."""
+    async def _get_tier(self, ns: str, keys: list[bytes], res: GetResult, missing: list[int],
+                        unpin: list[bytes]) -> GetResult:
+        """Read through: fetch memory's misses in one round trip and promote them; then drop the
+        leases ``unpin`` -- once the reply is known to fit, as on the memory path (a refused GET
+        keeps them: the client asks again in parts)."""
         assert self.tier is not None
-        keys = msg.keys
         token = self.read_token()
         try:
             fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
@@ -430,8 +434,8 @@ class Service:
             except (CapacityError, TooLarge):
                 pass  # promotion is best effort; the block is served from the fetched copy
         self.check_reply_size(res)
-        if msg.unpin:
-            self.store.unpin(ns, keys)
+        if unpin:
+            self.store.unpin(ns, unpin)
         return res
 
     def release(self, refs: list[BlockRef]) -> None:

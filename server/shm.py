@@ -217,21 +217,26 @@ class ShmService:
         st = self._session(session)
         ns = session.namespace
         refs = self.store.acquire_many(ns, msg.keys)
-        if msg.unpin:
-            self.store.unpin(ns, msg.keys)
         self.counters["gets"] += 1
         missing = [i for i, r in enumerate(refs) if r is None]
         if self.tier is None or not missing:
+            if msg.unpin:
+                self.store.unpin(ns, msg.keys)
             return self._grant(st, refs, {})
-        return self._get_tier(st, ns, msg.keys, refs, missing)
+        # The leases to drop: of the blocks found now (a key missing now may be put and leased by
+        # another client while the tier answers: that lease is not this GET's to drop).
+        unpin = [k for k, r in zip(msg.keys, refs) if r is not None] if msg.unpin else []
+        return self._get_tier(st, ns, msg.keys, refs, missing, unpin)
 
     async def _get_tier(self, st: ShmSession, ns: str, keys: list[bytes], refs: list[BlockRef | None],
-                        missing: list[int]) -> ShmGetResult:
+                        missing: list[int], unpin: list[bytes]) -> ShmGetResult:
         """Read memory's misses through the tier; promote each into the arena when it can
-        (not when a delete ran meanwhile: see :meth:`Service.may_promote`).
+        (not when a delete ran meanwhile: see :meth:`Service.may_promote`); then drop the
+        leases ``unpin`` -- once the reply is known to fit, as on the socket path.
 
         Raises:
-            TooLarge: the blocks to send inline add up to more than a reply may carry (pins released).
+            TooLarge: the blocks to send inline add up to more than a reply may carry (pins
+                released, leases kept: the client asks again in parts).
         """
         assert self.tier is not None
         token = self.service.read_token()
@@ -254,6 +259,8 @@ class ShmService:
             self._release_refs([r for r in refs if r is not None])
             raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
                            f"{self.service.max_reply}: ask for fewer at a time")
+        if unpin:
+            self.store.unpin(ns, unpin)
         return self._grant(st, refs, inline)
 
     def _promote(self, ns: str, key: bytes, data: memoryview, checksum: int, parent: bytes | None) -> BlockRef | None:

@@ -21,6 +21,7 @@ from kvstore.server.process import ServerProcess
 from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, key_tag, ns_record_key
 
 from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 NS = "llama3-8b/bf16/tp0"
 MEM = "16MiB"  # kvstore memory per server: small, so servers start fast
@@ -441,6 +442,56 @@ async def test_get_reply_over_the_frame_limit_is_refused(redis_server: RedisProc
             assert payloads(await kv.get(keys, unpin=True)) == data  # in parts, each dropping its leases
             store = (await kv.stats())["store"]
             assert store["leases"] == 0 and store["pinned_blocks"] == 0
+
+
+async def test_a_get_reading_through_drops_only_the_leases_of_the_blocks_it_found(redis_server: RedisProcess,
+                                                                                  make_server) -> None:
+    """A GET(unpin=True) drops its caller's leases once its reply is known to fit, after the tier's
+    answer -- but only on the blocks memory had when it came: a block put and leased by another
+    client while the (slow) fetch ran lost that lease."""
+    import subprocess
+
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    server = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-mode", "write-behind")
+    k, data = chain(1, "steal"), blocks(chain(1, "steal"), 100_000)
+    async with AsyncKVClient(writer.addr, namespace=NS) as w:
+        await w.put(k, data)  # in Redis, not in the second server's memory
+    async with AsyncKVClient(server.addr, namespace=NS) as a, AsyncKVClient(server.addr, namespace=NS) as c:
+        await c.ping()
+        subprocess.run(["redis-cli", "-p", str(redis_server.port), "CLIENT", "PAUSE", "1500", "ALL"], check=True,
+                       capture_output=True)
+        reading = asyncio.ensure_future(a.get(k, unpin=True))  # reads through: waits for Redis
+        await asyncio.sleep(0.3)
+        await c.put(k, data)  # (write-behind: in memory at once)
+        assert await c.lookup(k, pin=True) == 1
+        assert payloads(await reading) == data
+        assert (await c.stats())["store"]["leases"] == 1  # c's lease stands
+        assert await c.unpin(k) == 1
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_get_refused_as_too_large_keeps_its_leases_and_its_halves_drop_each_once(
+        redis_server: RedisProcess, make_server, unix_path: str, transport: str) -> None:
+    """Blocks read through that must travel inline (memory full of leased blocks) over the reply
+    limit: the refused GET (SHM_GET too) had dropped its leases already, and the client's halves
+    dropped them again -- other clients' leases."""
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    server = make_server("--capacity", "2MiB", "--page-size", "64KiB", "--max-frame-size", "1MiB",
+                         "--redis", redis_server.url, "--unix", unix_path)
+    tier_keys, mem_keys = chain(8, f"inline-{transport}"), chain(8, f"pinned-{transport}")
+    tier_data, mem_data = blocks(tier_keys, 200 << 10), blocks(mem_keys, 200 << 10)
+    async with AsyncKVClient(writer.addr, namespace=NS) as w:
+        await w.put(tier_keys, tier_data)
+    addr = f"unix:{unix_path}" if transport == "shm" else server.addr
+    async with AsyncKVClient(server.addr, namespace=NS) as other, AsyncKVClient(addr, namespace=NS) as reader:
+        assert (reader.nodes[0].shm is not None) == (transport == "shm")
+        await other.put(mem_keys, mem_data)
+        assert await other.lookup(mem_keys, pin=True) == 8  # memory full, all leased: tier blocks go inline
+        assert await reader.lookup(mem_keys[:4], pin=True) == 4
+        got = await reader.get(mem_keys[:4] + tier_keys, unpin=True)  # 1.6 MiB inline: refused, then halves
+        assert payloads(got) == mem_data[:4] + tier_data
+        assert (await other.stats())["store"]["leases"] == 8  # the other client's, each still there
+        assert await other.unpin(mem_keys) == 8
 
 
 def test_a_tier_write_that_fails_with_a_bug_keeps_nothing_unacknowledged(redis_server: RedisProcess) -> None:
