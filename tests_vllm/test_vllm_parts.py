@@ -80,7 +80,7 @@ def test_settings_defaults_and_namespace() -> None:
     config = offloading_config(tp=2)
     settings = KVStoreSettings.from_config(config)
     assert settings.addr == DEFAULT_ADDR
-    assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3"
+    assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3/p2"
     assert (settings.token, settings.tls, settings.lease_ms) == (None, None, None)
     assert not settings.flush_on_reset and not settings.remote_decode_dedup
     long_name = default_namespace(offloading_config(model="/models/" + "x" * 300))

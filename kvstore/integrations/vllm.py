@@ -202,11 +202,17 @@ class KVStoreSettings:
         return client
 
 
+#: The adapter's payload format, in the default namespace: bumped whenever chunks written before
+#: would fail to load (2: the fingerprint covers the KV dtype and layout). An engine upgraded past a
+#: bump finds the old chunks as misses, instead of a load failure that vLLM 0.33 treats as fatal.
+PAYLOAD_FORMAT = 2
+
+
 def default_namespace(config: OffloadingConfig) -> str:
     """A namespace that only engines with byte-compatible chunks share.
 
     It names the model, KV dtype and layout, the parallel layout (a rank's slice
-    depends on it) and the chunk geometry. It does not name vLLM's prefix hash
+    depends on it), the chunk geometry and the payload format. It does not name vLLM's prefix hash
     algorithm: engines that share a namespace must hash alike (``sha256`` or
     ``sha256_cbor``, or one ``PYTHONHASHSEED`` for the non-cryptographic ones).
     """
@@ -218,7 +224,7 @@ def default_namespace(config: OffloadingConfig) -> str:
         layout += f"dcp{par.dcp_size}"
     blocks = "+".join(str(g.tokens_per_block) for g in config.groups)
     parts = ["vllm", config.model.name, config.model.dtype, config.kv_cache_layout or "auto", layout,
-             f"b{blocks}x{config.cache.blocks_per_chunk}"]
+             f"b{blocks}x{config.cache.blocks_per_chunk}", f"p{PAYLOAD_FORMAT}"]
     ns = "/".join(parts)
     if len(ns) > _MAX_NAMESPACE:  # a long local model path: keep it unique, not readable
         ns = "vllm/" + hashlib.sha256(ns.encode()).hexdigest()
