@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code,
+    IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unavailable, from_code,
 )
 from kvstore.protocol import (
     ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmCommit, ShmGet, ShmPut,
@@ -161,10 +161,10 @@ def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: 
         reader.feed(data)
         event = reader.next_event()
         if isinstance(event, Frame):
+            if isinstance(event.msg, ErrorReply) and event.request_id in (0, rid) and not event.payload_len:
+                raise from_code(event.msg.code, event.msg.message)  # (id 0: refused as it connected)
             if event.payload_len or event.request_id != rid:
                 raise ProtocolError("shm attach: unexpected reply")
-            if isinstance(event.msg, ErrorReply):
-                raise from_code(event.msg.code, event.msg.message)
             assert isinstance(event.msg, Reply)
             return event.msg.fields
 
@@ -485,7 +485,8 @@ async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None
     for shm explicitly (``shm=True``: a TCP client then tries the socket path
     the server announced -- it works only on the server's host, and the arena
     instance must match the one this connection talks to). One attempt per
-    server instance: a refusal is not retried on every new connection.
+    server instance: a refusal is not retried on every new connection -- except a server at its
+    connection limit (``Unavailable``), asked again by the next new connection.
     """
     info = conn.hello.get("shm")
     want = node.client.shm
@@ -507,6 +508,10 @@ async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None
     try:
         segment = await asyncio.to_thread(attach, path, namespace=c.namespace, token=c.token,
                                           timeout=c.connect_timeout)
+    except Unavailable as exc:  # at its connection limit (or draining): the next new connection asks again
+        node.shm_tried = None
+        log.info("shared memory not used with %s for now (%s); using the socket", node.addr, exc)
+        return None
     except (KVStoreError, OSError) as exc:
         log.info("shared memory not used with %s (%s); using the socket", node.addr, exc)
         return None

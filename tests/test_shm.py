@@ -396,6 +396,34 @@ async def test_no_shm_server_falls_back_to_the_socket(make_server: MakeServer, u
         assert (await kv.stats())["shm"]["gets"] == 0
 
 
+async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_later_connection(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A server at --max-connections refuses the attach's connection: the client used the socket
+    for that server instance for good. A later new connection of its pool asks again."""
+    import socket as socket_mod
+
+    make_server("--capacity", "16MiB", "--unix", unix_path, "--max-connections", "3")
+    others = [socket_mod.socket(socket_mod.AF_UNIX) for _ in range(2)]
+    for s in others:  # two of the three slots taken
+        s.connect(unix_path)
+    k = [key(1, "limit")]
+    try:
+        async with AsyncKVClient(unix(unix_path), namespace="limit", pool_size=2) as kv:
+            assert kv.nodes[0].shm is None  # its attach was the fourth connection: refused
+            await kv.put(k, [b"x" * 4096])
+            for s in others:
+                s.close()
+            await asyncio.sleep(0.2)
+            bufs = [[bytearray(4096)] for _ in range(8)]
+            await asyncio.gather(*(kv.get_into(k, b) for b in bufs))  # the pool opens its second connection
+            assert kv.nodes[0].shm is not None  # whose attach found room
+            assert all(b == [b"x" * 4096] for b in bufs)
+            assert (await kv.stats())["shm"]["attached"] == 1
+    finally:
+        for s in others:
+            s.close()
+
+
 async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     k = key(1, "told")
