@@ -247,6 +247,8 @@ class ClientConnection(asyncio.BufferedProtocol):
                     self.reader.drop_payload(p.rid)
                 p.dropped = True
                 fut.cancel()
+                if timeout:  # a reply that never comes still ends the connection, as for any request
+                    fut.get_loop().call_later(timeout, self._dropped_timed_out, p, timeout)
             else:
                 fut.cancel()
                 self.abort(TransportError("request cancelled; connection discarded"))
@@ -309,6 +311,10 @@ class ClientConnection(asyncio.BufferedProtocol):
         # The reply may still arrive into the caller's buffers: the connection cannot be reused.
         # Other requests on it fail with a (retryable) TransportError.
         self.abort(TransportError("a request timed out; connection discarded"))
+
+    def _dropped_timed_out(self, p: _Pending, timeout: float) -> None:
+        if self.pending.get(p.rid) is p:
+            self.abort(TransportError(f"no reply within {timeout}s (to a cancelled request); connection discarded"))
 
     def abort(self, reason: KVStoreError) -> None:
         if self.close_reason is None:

@@ -452,6 +452,26 @@ async def test_a_cancelled_request_leaves_the_other_requests_on_its_connection_a
             assert store["leases"] == 0 and store["pinned_blocks"] == 0
 
 
+async def test_a_cancelled_request_whose_reply_never_comes_still_times_its_connection_out() -> None:
+    """(kept for its reply, it waited forever: the connection looked busy for good)"""
+    with ServerProcess("--capacity", "16MiB") as srv:
+        assert srv.proc is not None
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1, timeout=0.5, retries=0) as kv:
+            k = make_keys("stuck", 1)
+            await kv.put(k, [b"x" * 100])
+            (conn,) = kv.nodes[0].conns
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(kv.exists(k), 0.1)
+                assert not conn.closed and conn.in_flight == 1  # kept, its reply awaited
+                await asyncio.sleep(1.0)
+                assert conn.closed and "cancelled request" in str(conn.close_reason)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert await kv.exists(k) == [True]  # on a new connection
+
+
 async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
     """A put cut off while its pieces were still going out: every future the connection made has its
     outcome read (asyncio logged 'Future exception was never retrieved' for the flow-control ones)."""
