@@ -145,18 +145,12 @@ def test_a_payload_dropped_mid_way_lands_nowhere_and_the_stream_stays_in_step() 
         evs: list[object] = []
         fed = 0
         for chunk in (data[:cut], data[cut:]):
-            for n in range(0, len(chunk), 4096):  # as a transport does: into get_buffer's view
-                piece = chunk[n:n + 4096]
-                while piece:
-                    buf = reader.get_buffer()
-                    k = min(len(buf), len(piece))
-                    buf[:k] = piece[:k]
-                    reader.buffer_updated(k)
-                    piece = piece[k:]
-                    while (ev := reader.next_event()) is not NEED_DATA:
-                        evs.append(ev)
-                        if isinstance(ev, Frame) and ev.request_id == 7:
-                            reader.set_sink(sink)
+            for n in range(0, len(chunk), 4096):  # (feed: into get_buffer's view, as a transport does)
+                reader.feed(chunk[n:n + 4096])
+                while (ev := reader.next_event()) is not NEED_DATA:
+                    evs.append(ev)
+                    if isinstance(ev, Frame) and ev.request_id == 7:
+                        reader.set_sink(sink)
             if fed == 0:
                 reader.drop_payload(7)
                 seen = list(sink.pieces)
