@@ -2,13 +2,12 @@
 
 Replies' payloads are received by ``recv_into`` straight into their destination
 (the caller's buffers for ``get_into``). A request whose caller is cancelled
-before its reply starts is forgotten, not its connection: the reply is read and
-dropped, so the other requests on it go on. A connection on which anything else
-went wrong mid-request -- a cancel while the request's own payload is still
-going out or its reply's payload coming in, a timed-out request, a protocol
-error, a lost peer -- is closed and never reused: its byte stream may be out of
-step, and a cancelled ``get_into`` must never write into a buffer its caller
-got back.
+once its own payload has gone out is forgotten, not its connection: its reply,
+or what is left of it, is read and dropped (never into the caller's buffers),
+so the other requests on the connection go on. A connection on which anything
+else went wrong mid-request -- a cancel while the request's own payload is still
+going out, a timed-out request, a protocol error, a lost peer -- is closed and
+never reused: its byte stream may be out of step.
 """
 
 from __future__ import annotations
