@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
-from kvstore.errors import InvalidRequest, KVStoreError, TransportError, Unauthorized
+from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unauthorized
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
 
@@ -318,6 +318,8 @@ async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> 
                 t0 = time.perf_counter()
                 try:
                     await conn.request(Ping(), timeout=kv.timeout)
+                except RequestTimeout:
+                    raise
                 except TransportError:
                     if kv.tls is None and kv.nodes[0].unix is None:  # what a TLS server does with plain text
                         raise TransportError(f"{args.addr} closed the connection at PING (does it expect TLS? "

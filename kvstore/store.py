@@ -565,6 +565,19 @@ class BlockStore:
                 dropped += 1
         return dropped
 
+    def unpin_refs(self, refs: Sequence[BlockRef]) -> int:
+        """Drop one lease of each block read, if that block is still the one under its key: a
+        read that waited (on a tier) may find its block deleted, its leases gone with it, and a
+        newer block there whose leases are other clients'. Returns how many were dropped."""
+        self.expire_leases()
+        dropped = 0
+        for ref in refs:
+            block = self._find(ref.ns, ref.key)
+            if block is ref._block and block.leases is not None:
+                self._drop_leases(block, 1)
+                dropped += 1
+        return dropped
+
     def expire_leases(self) -> int:
         """Drop every lease past its deadline; returns how many."""
         now = self._clock()

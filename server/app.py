@@ -244,13 +244,20 @@ class Server:
 
     async def serve_forever(self, install_signals: bool = True) -> None:
         """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a reload the server does not do:
-        each drains and flushes, never a kill), or :meth:`request_stop`."""
+        each drains and flushes, never a kill), or :meth:`request_stop`. A signal the server was
+        started ignoring stays ignored (``nohup`` ignores SIGHUP)."""
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
-        if install_signals:  # before the "listening" line: a supervisor may stop the server as it sees it
-            for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        handled = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN] \
+            if install_signals else []
+        for sig in handled:  # before the "listening" line: a supervisor may stop the server as it sees it
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+        except BaseException:
+            for sig in handled:  # (an embedding caller's loop gets its signals back)
+                loop.remove_signal_handler(sig)
+            raise
         await self._stopping.wait()
         log.info("stopping: draining %d connection(s)", len(self.connections))
         await self.shutdown()

@@ -380,10 +380,9 @@ class Service:
             if msg.unpin:
                 self.store.unpin(ns, msg.keys)
             return res
-        # The leases to drop: of the blocks found now (a key missing now may be put and leased by
-        # another client while the tier answers: that lease is not this GET's to drop).
-        unpin = [k for k, b in zip(msg.keys, res.blocks) if b is not None] if msg.unpin else []
-        return self._get_tier(ns, msg.keys, res, missing, unpin)
+        # The leases to drop: of the blocks found now, if still stored when the tier has answered
+        # (a key missing now, or deleted meanwhile, may hold another client's block and lease then).
+        return self._get_tier(ns, msg.keys, res, missing, list(res.refs) if msg.unpin else [])
 
     def check_reply_size(self, res: GetResult) -> None:
         """Refuse a reply over the payload limit: the client's codec would drop the connection on it.
@@ -407,7 +406,7 @@ class Service:
         return token is not None and token == self.deletes_started
 
     async def _get_tier(self, ns: str, keys: list[bytes], res: GetResult, missing: list[int],
-                        unpin: list[bytes]) -> GetResult:
+                        unpin: list[BlockRef]) -> GetResult:
         """Read through: fetch memory's misses in one round trip and promote them; then drop the
         leases ``unpin`` -- once the reply is known to fit, as on the memory path (a refused GET
         keeps them: the client asks again in parts)."""
@@ -435,7 +434,7 @@ class Service:
                 pass  # promotion is best effort; the block is served from the fetched copy
         self.check_reply_size(res)
         if unpin:
-            self.store.unpin(ns, unpin)
+            self.store.unpin_refs(unpin)
         return res
 
     def release(self, refs: list[BlockRef]) -> None:

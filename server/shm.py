@@ -223,13 +223,13 @@ class ShmService:
             if msg.unpin:
                 self.store.unpin(ns, msg.keys)
             return self._grant(st, refs, {})
-        # The leases to drop: of the blocks found now (a key missing now may be put and leased by
-        # another client while the tier answers: that lease is not this GET's to drop).
-        unpin = [k for k, r in zip(msg.keys, refs) if r is not None] if msg.unpin else []
+        # The leases to drop: of the blocks found now, if still stored when the tier has answered
+        # (a key missing now, or deleted meanwhile, may hold another client's block and lease then).
+        unpin = [r for r in refs if r is not None] if msg.unpin else []
         return self._get_tier(st, ns, msg.keys, refs, missing, unpin)
 
     async def _get_tier(self, st: ShmSession, ns: str, keys: list[bytes], refs: list[BlockRef | None],
-                        missing: list[int], unpin: list[bytes]) -> ShmGetResult:
+                        missing: list[int], unpin: list[BlockRef]) -> ShmGetResult:
         """Read memory's misses through the tier; promote each into the arena when it can
         (not when a delete ran meanwhile: see :meth:`Service.may_promote`); then drop the
         leases ``unpin`` -- once the reply is known to fit, as on the socket path.
@@ -260,7 +260,7 @@ class ShmService:
             raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
                            f"{self.service.max_reply}: ask for fewer at a time")
         if unpin:
-            self.store.unpin(ns, unpin)
+            self.store.unpin_refs(unpin)
         return self._grant(st, refs, inline)
 
     def _promote(self, ns: str, key: bytes, data: memoryview, checksum: int, parent: bytes | None) -> BlockRef | None:

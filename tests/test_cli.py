@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +167,17 @@ def test_tls_options(make_server, tls_files: dict[str, Path]) -> None:
     for command in ("ping", "stats"):  # plain text against TLS: both say what is likely wrong (ping, without
         r = cli(command, "--timeout", "3", addr=srv.addr)  # a token, said only "connection closed by server")
         assert r.returncode == 1 and "does it expect TLS" in one_error_line(r), one_error_line(r)
+
+
+def test_ping_of_a_server_that_does_not_answer_says_so(make_server) -> None:
+    """(a timeout was taken for a closed connection: 'does it expect TLS?')"""
+    srv = make_server("--capacity", "1MiB")
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        r = cli("ping", "--timeout", "1", addr=srv.addr)
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert r.returncode == 1 and "TLS" not in one_error_line(r) and "1" in one_error_line(r), one_error_line(r)
 
 
 def test_module_entry_point_is_the_same_program(server) -> None:

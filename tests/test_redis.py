@@ -470,6 +470,41 @@ async def test_a_get_reading_through_drops_only_the_leases_of_the_blocks_it_foun
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_get_reading_through_leaves_the_lease_on_a_block_put_again_meanwhile(
+        redis_server: RedisProcess, make_server, unix_path: str, transport: str) -> None:
+    """A block the GET found and leased, deleted and put again (and leased by another client) while
+    the GET's fetch waited on Redis: its unpin by key dropped the other client's lease on the new block."""
+    import subprocess
+
+    writer = make_server("--capacity", MEM, "--redis", redis_server.url)
+    server = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-mode", "write-behind",
+                         "--unix", unix_path)
+    (k_mem,), (k_tier,) = chain(1, f"mem-{transport}"), chain(1, f"tier-{transport}")
+    async with AsyncKVClient(writer.addr, namespace=NS) as w:
+        await w.put([k_tier], blocks([k_tier], 50_000))  # in Redis, not in the second server's memory
+    addr = f"unix:{unix_path}" if transport == "shm" else server.addr
+    async with AsyncKVClient(addr, namespace=NS) as a, AsyncKVClient(server.addr, namespace=NS) as c1, \
+            AsyncKVClient(server.addr, namespace=NS) as c2:
+        await c1.ping()
+        await c2.ping()
+        assert (a.nodes[0].shm is not None) == (transport == "shm")
+        await a.put([k_mem], blocks([k_mem], 50_000))
+        assert await a.lookup([k_mem], pin=True) == 1
+        subprocess.run(["redis-cli", "-p", str(redis_server.port), "CLIENT", "PAUSE", "1500", "ALL"], check=True,
+                       capture_output=True)
+        reading = asyncio.ensure_future(a.get([k_mem, k_tier], unpin=True))  # k_tier: waits for Redis
+        await asyncio.sleep(0.3)
+        deleting = asyncio.ensure_future(c1.delete([k_mem]))  # gone from memory at once, a's lease with it
+        await asyncio.sleep(0.1)
+        await c2.put([k_mem], [b"new" * 1000])
+        assert await c2.lookup([k_mem], pin=True) == 1
+        await reading
+        await deleting
+        assert (await c2.stats())["store"]["leases"] == 1  # c2's lease on the new block stands
+        assert await c2.unpin([k_mem]) == 1
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_get_refused_as_too_large_keeps_its_leases_and_its_halves_drop_each_once(
         redis_server: RedisProcess, make_server, unix_path: str, transport: str) -> None:
     """Blocks read through that must travel inline (memory full of leased blocks) over the reply

@@ -326,6 +326,44 @@ def test_sighup_drains_and_exits_zero_like_sigterm(make_server) -> None:
     assert any("stopping: draining" in line for line in srv.log) and any("stopped" in line for line in srv.log)
 
 
+def test_a_server_started_ignoring_sighup_keeps_ignoring_it() -> None:
+    """(nohup: the SIGHUP handler replaced the inherited 'ignore', and a closed ssh session stopped it)"""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited by the child, as nohup does it
+    try:
+        srv = ServerProcess("--capacity", "1MiB").start()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    try:
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None and not any("stopping" in line for line in srv.log)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_server_that_fails_to_start_gives_its_loop_the_signals_back() -> None:
+    """(its handlers, installed before the start, stayed: an embedding program's Ctrl-C went nowhere)"""
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server, StartupError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+
+    async def start() -> None:
+        server = Server(ServerConfig(host="127.0.0.1", port=taken.getsockname()[1], capacity=1 << 20))
+        with pytest.raises(StartupError, match="--port"):
+            await server.serve_forever()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not asyncio's no-op)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    try:
+        asyncio.run(start())
+    finally:
+        taken.close()
+
+
 def test_a_stop_right_after_the_listening_line_drains() -> None:
     """The signal handlers came after the "listening" line: a supervisor stopping the server as soon
     as it saw the line killed it (19 of 20 starts here), a Unix socket file left behind."""

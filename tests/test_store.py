@@ -549,6 +549,20 @@ def test_unpin_drops_the_soonest_lease(policy: str, clock: FakeClock) -> None:
     assert store.reserve(NS, k(2), 2 * PS) is not None
 
 
+def test_unpin_refs_drops_a_lease_only_of_the_block_read(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock)
+    put_batch(store, [0, 1])
+    store.lookup(NS, [k(0), k(1)], pin=True)
+    refs = [store.acquire(NS, k(0)), store.acquire(NS, k(1))]
+    assert all(r is not None for r in refs)
+    store.delete(NS, [k(0)])  # its lease goes with it; then another block under the key, leased
+    put_batch(store, [0])
+    store.lookup(NS, [k(0)], pin=True)
+    assert store.unpin_refs(refs) == 1  # k(1)'s; the new k(0) keeps its (not the block read)
+    assert store.stats()["leases"] == 1 and store.unpin(NS, [k(0)]) == 1
+    store.release_many(refs)  # type: ignore[arg-type]
+
+
 def test_acquire_pins_until_release_and_leases_keep_their_time(policy: str, clock: FakeClock) -> None:
     store = make(policy, 2, clock, lease_s=10.0)
     put_batch(store, [0])
