@@ -244,10 +244,10 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif droppable and not self.closed and self._handed_over(payload, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)
-                p.dropped = True
+                p.dropped, p.make_sink = True, None  # (nothing of the caller's is kept for the reply)
                 fut.cancel()
-                if timeout:  # a reply that never comes still ends the connection, as for any request
-                    fut.get_loop().call_later(timeout, self._dropped_timed_out, p, timeout)
+                if timer is not None:  # its deadline still ends the connection if the reply never comes
+                    fut.get_loop().call_at(timer.when(), self._dropped_timed_out, p.rid, timeout)
             else:
                 fut.cancel()
                 self.abort(TransportError("request cancelled; connection discarded"))
@@ -311,8 +311,9 @@ class ClientConnection(asyncio.BufferedProtocol):
         # Other requests on it fail with a (retryable) TransportError.
         self.abort(TransportError("a request timed out; connection discarded"))
 
-    def _dropped_timed_out(self, p: _Pending, timeout: float) -> None:
-        if self.pending.get(p.rid) is p:
+    def _dropped_timed_out(self, rid: int, timeout: float) -> None:
+        p = self.pending.get(rid)
+        if p is not None and p.dropped:
             self.abort(TransportError(f"no reply within {timeout}s (to a cancelled request); connection discarded"))
 
     def abort(self, reason: KVStoreError) -> None:

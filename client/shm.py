@@ -146,7 +146,9 @@ def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: 
         _until(sock, deadline)
         sock.sendall(b"".join(bytes(b) for b in encode(msg, rid)))
     except OSError as exc:
-        raise _attach_error(exc) from None
+        # A server that refuses the connection (at --max-connections) answers, then closes at
+        # once: the send may fail before its answer is read. That answer says why.
+        raise _refusal(sock, reader) or _attach_error(exc) from None
     while True:
         try:
             _until(sock, deadline)
@@ -167,6 +169,20 @@ def _ask(sock: socket.socket, reader: FrameReader, msg: Message, rid: int, fds: 
                 raise ProtocolError("shm attach: unexpected reply")
             assert isinstance(event.msg, Reply)
             return event.msg.fields
+
+
+def _refusal(sock: socket.socket, reader: FrameReader) -> KVStoreError | None:
+    """The error frame a closing server left in the socket (request id 0), if there is one."""
+    try:
+        sock.settimeout(0.2)  # (it is there already, or nowhere)
+        data = sock.recv(65536)
+        reader.feed(data)
+        event = reader.next_event()
+    except (OSError, ProtocolError):
+        return None
+    if isinstance(event, Frame) and event.request_id == 0 and isinstance(event.msg, ErrorReply):
+        return from_code(event.msg.code, event.msg.message)
+    return None
 
 
 _TIMED_OUT = "shm attach: no complete answer within the connect timeout"

@@ -244,23 +244,23 @@ class Server:
 
     async def serve_forever(self, install_signals: bool = True) -> None:
         """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a reload the server does not do:
-        each drains and flushes, never a kill), or :meth:`request_stop`. A signal the server was
-        started ignoring stays ignored (``nohup`` ignores SIGHUP)."""
+        each drains and flushes, never a kill), or :meth:`request_stop`. SIGHUP stays ignored
+        when the server was started ignoring it (``nohup``). The loop gets its own signal
+        handling back when this returns (an embedding program's Ctrl-C)."""
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
-        handled = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN] \
-            if install_signals else []
+        handled = [sig for sig in STOP_SIGNALS if install_signals and not (
+            sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN)]
         for sig in handled:  # before the "listening" line: a supervisor may stop the server as it sees it
             loop.add_signal_handler(sig, self.request_stop)
         try:
             await self.start()
-        except BaseException:
-            for sig in handled:  # (an embedding caller's loop gets its signals back)
+            await self._stopping.wait()
+            log.info("stopping: draining %d connection(s)", len(self.connections))
+            await self.shutdown()
+        finally:
+            for sig in handled:
                 loop.remove_signal_handler(sig)
-            raise
-        await self._stopping.wait()
-        log.info("stopping: draining %d connection(s)", len(self.connections))
-        await self.shutdown()
 
     async def shutdown(self) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close."""

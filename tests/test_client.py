@@ -4,6 +4,7 @@ the pool's connections, request timeouts, and requests posted without waiting fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -470,6 +471,32 @@ async def test_a_cancelled_request_whose_reply_never_comes_still_times_its_conne
             finally:
                 os.kill(srv.proc.pid, signal.SIGCONT)
             assert await kv.exists(k) == [True]  # on a new connection
+
+
+async def test_a_cancelled_get_into_keeps_no_reference_to_its_buffers() -> None:
+    """(its reply's deadline timer held the request, and through it the caller's buffers, for the
+    whole client timeout after the reply had been read and dropped)"""
+    import weakref
+
+    class Buffer(bytearray):
+        pass
+
+    with ServerProcess("--capacity", "64MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1, timeout=30) as kv:
+            keys = make_keys("kept", 8)
+            await kv.put(keys, [bytes(1 << 20)] * 8)
+            (conn,) = kv.nodes[0].conns
+            refs = []
+            for _ in range(20):
+                bufs = [Buffer(1 << 20) for _ in keys]
+                refs += [weakref.ref(b) for b in bufs]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(kv.get_into(keys, bufs), 0.001)
+                del bufs
+            await kv.ping()  # after every dropped reply, on the same connection
+            assert kv.nodes[0].conns == [conn]
+            gc.collect()
+            assert not [r for r in refs if r() is not None]
 
 
 async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:

@@ -357,11 +357,30 @@ def test_a_server_that_fails_to_start_gives_its_loop_the_signals_back() -> None:
             await server.serve_forever()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not asyncio's no-op)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        server = Server(ServerConfig(host="127.0.0.1", port=0, capacity=1 << 20))  # a normal start and stop too
+        serving = asyncio.ensure_future(server.serve_forever())
+        while server.port is None:
+            await asyncio.sleep(0.01)
+        server.request_stop()
+        await serving
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
     try:
         asyncio.run(start())
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_drain_even_if_the_server_started_ignoring_them(sig: int) -> None:
+    """(a shell's background job ignores SIGINT, a wrapper may `trap '' TERM`: only SIGHUP's inherited
+    'ignore' is kept; a supervisor's stop must drain)"""
+    old = signal.signal(sig, signal.SIG_IGN)  # inherited by the child
+    try:
+        srv = ServerProcess("--capacity", "1MiB").start()
+    finally:
+        signal.signal(sig, old)
+    assert srv.stop(sig) == 0 and any("stopping: draining" in line for line in srv.log)
 
 
 def test_a_stop_right_after_the_listening_line_drains() -> None:

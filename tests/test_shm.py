@@ -424,6 +424,35 @@ async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_lat
             s.close()
 
 
+def test_an_attach_refused_at_the_limit_is_unavailable_even_when_its_hello_cannot_be_sent(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusing server answers and closes at once: a HELLO sent after that fails (broken pipe),
+    and the attach raised that TransportError, never retried, instead of the answer waiting unread."""
+    import socket as socket_mod
+    import time
+
+    from kvstore.client.shm import attach
+    from kvstore.errors import Unavailable
+
+    make_server("--capacity", "16MiB", "--unix", unix_path, "--max-connections", "1")
+    holder = socket_mod.socket(socket_mod.AF_UNIX)
+    holder.connect(unix_path)  # the only slot
+    try:
+        time.sleep(0.2)
+        send = socket_mod.socket.sendall
+
+        def late_send(self: socket_mod.socket, *args: object) -> None:  # (a busy thread: the close comes first)
+            time.sleep(0.1)
+            send(self, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(socket_mod.socket, "sendall", late_send)
+        for _ in range(3):
+            with pytest.raises(Unavailable, match="limit"):
+                attach(unix_path, namespace="x", token=None, timeout=5)
+    finally:
+        holder.close()
+
+
 async def test_tcp_client_told_shm_true_attaches_on_the_same_host(make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     k = key(1, "told")
