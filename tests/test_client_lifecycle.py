@@ -20,7 +20,8 @@ from shm_helpers import MakeServer, arena_mappings, data, key, unix_path  # noqa
 
 async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_server: MakeServer, unix_path: str) -> None:
     k = key(1, "no-shm-restart")
-    mapped = arena_mappings()  # (by other tests' clients not yet collected)
+    gc.collect()  # (other tests' arenas and clients, not yet collected, would go during this one)
+    mapped = arena_mappings()
     kv = AsyncKVClient(f"unix:{unix_path}", namespace="r")
     try:
         first = make_server("--capacity", "8MiB", "--unix", unix_path)
