@@ -244,7 +244,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             elif droppable and not self.closed and self._handed_over(payload, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)
-                p.dropped, p.make_sink = True, None  # (nothing of the caller's is kept for the reply)
+                p.dropped, p.make_sink, p.sink = True, None, None  # (nothing of the caller's is kept)
                 fut.cancel()
                 if timer is not None:  # its deadline still ends the connection if the reply never comes
                     fut.get_loop().call_at(timer.when(), self._dropped_timed_out, p.rid, timeout)
@@ -292,7 +292,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         """Write one request; its entry, whose future the reply (or error) will settle."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise self.close_reason or TransportError("connection is closed")
-        rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        rid = next(self._ids) & 0xFFFFFFFF or next(self._ids) & 0xFFFFFFFF  # (u32 on the wire; 0 is no request's)
         try:
             # Flat byte views (a non-contiguous one is refused here, whichever transport; the paced
             # writer cuts pieces from them); empty ones never go.

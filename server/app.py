@@ -246,7 +246,8 @@ class Server:
         """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a reload the server does not do:
         each drains and flushes, never a kill), or :meth:`request_stop`. SIGHUP stays ignored
         when the server was started ignoring it (``nohup``). The loop gets its own signal
-        handling back when this returns (an embedding program's Ctrl-C)."""
+        handling back when this returns (an embedding program's Ctrl-C). Cancelled, it stops
+        at once: no drain, no write-behind flush."""
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         handled = [sig for sig in STOP_SIGNALS if install_signals and not (
@@ -258,9 +259,24 @@ class Server:
             await self._stopping.wait()
             log.info("stopping: draining %d connection(s)", len(self.connections))
             await self.shutdown()
+        except asyncio.CancelledError:  # (an embedding program's cancel: stop at once, no drain, no flush)
+            self._close_now()
+            raise
         finally:
             for sig in handled:
                 loop.remove_signal_handler(sig)
+
+    def _close_now(self) -> None:
+        """Stop listening and serving without a drain: listeners, the socket file, the server's
+        tasks and every connection. (The tier is not flushed: :meth:`request_stop` does that.)"""
+        for srv in self._servers:
+            srv.close()
+        if self.config.unix and self._unix_inode is not None:
+            remove_unix_listener(self.config.unix, self._unix_inode)
+        for task in self._tasks:
+            task.cancel()
+        for conn in list(self.connections):
+            conn.close()
 
     async def shutdown(self) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close."""

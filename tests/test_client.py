@@ -499,6 +499,75 @@ async def test_a_cancelled_get_into_keeps_no_reference_to_its_buffers() -> None:
             assert not [r for r in refs if r() is not None]
 
 
+async def test_a_request_cancelled_while_its_reply_payload_comes_in_lets_its_buffers_go() -> None:
+    """A server that stalls half-way through a reply's payload: the cancelled request's sink, with the
+    caller's buffer, stayed referenced until the connection's deadline."""
+    import weakref
+
+    from kvstore.client.connection import open_connection
+    from kvstore.protocol import DEFAULT_LIMITS, NEED_DATA, Frame, FrameReader, Hello, reply
+
+    writers: list[asyncio.StreamWriter] = []
+
+    async def stalling(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        writers.append(w)
+        frames = FrameReader(is_server=True)
+        while data := await r.read(65536):
+            frames.feed(data)
+            while (ev := frames.next_event()) is not NEED_DATA:
+                if isinstance(ev, Frame) and isinstance(ev.msg, Hello):
+                    w.writelines(reply(ev.msg.OP, ev.request_id))
+                elif isinstance(ev, Frame):  # a reply head, 1,000 bytes of its 1 MiB payload, then nothing
+                    w.write(bytes(reply(ev.msg.OP, ev.request_id, payload_len=1 << 20)[0]) + b"x" * 1000)
+            await w.drain()
+
+    class Buffer(bytearray):
+        pass
+
+    class Sink:
+        def __init__(self, buf: Buffer) -> None:
+            self.buf, self.sizes = buf, [len(buf)]
+
+        def target(self, i: int) -> list[memoryview]:
+            return [memoryview(self.buf)]
+
+    server = await asyncio.start_server(stalling, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    conn = await open_connection("127.0.0.1", port, namespace="t", token=None, tls=None, limits=DEFAULT_LIMITS,
+                                 timeout=5)
+    try:
+        buf = Buffer(1 << 20)
+        ref = weakref.ref(buf)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(conn.request(Ping(), make_sink=lambda f: Sink(buf), timeout=30), 0.5)
+        assert not conn.closed and conn.in_flight == 1  # kept: the rest of its payload is read and dropped
+        del buf
+        gc.collect()
+        assert ref() is None
+    finally:
+        await conn.aclose()
+        server.close()
+        for w in writers:
+            w.close()
+            await w.wait_closed()
+        await server.wait_closed()
+
+
+async def test_request_ids_wrap_at_32_bits_without_losing_a_request() -> None:
+    """(past 2**32 requests on one connection the id after 0 went out masked but was filed
+    unmasked: its reply was 'to an unknown request' and the connection was aborted)"""
+    import itertools
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1, retries=0) as kv:
+            await kv.ping()
+            (conn,) = kv.nodes[0].conns
+            conn._ids = itertools.count(2**32 - 2)
+            for _ in range(4):
+                assert await kv.exists(make_keys("wrap", 1)) == [False]
+            assert kv.nodes[0].conns == [conn] and not conn.closed
+
+
 async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
     """A put cut off while its pieces were still going out: every future the connection made has its
     outcome read (asyncio logged 'Future exception was never retrieved' for the flow-control ones)."""

@@ -364,6 +364,18 @@ def test_a_server_that_fails_to_start_gives_its_loop_the_signals_back() -> None:
         server.request_stop()
         await serving
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        server = Server(ServerConfig(host="127.0.0.1", port=0, capacity=1 << 20))  # and a cancelled one
+        serving = asyncio.ensure_future(server.serve_forever())
+        while server.port is None:
+            await asyncio.sleep(0.01)
+        port = server.port
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        await asyncio.sleep(0.05)
+        with pytest.raises(OSError):  # (it kept listening and serving, signals no longer stopping it)
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
     try:
         asyncio.run(start())
