@@ -479,7 +479,7 @@ async def test_a_cancelled_get_into_keeps_no_reference_to_its_buffers() -> None:
     import weakref
 
     class Buffer(bytearray):
-        pass
+        """A bytearray that can be weakly referenced."""
 
     with ServerProcess("--capacity", "64MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=1, timeout=30) as kv:
@@ -522,7 +522,7 @@ async def test_a_request_cancelled_while_its_reply_payload_comes_in_lets_its_buf
             await w.drain()
 
     class Buffer(bytearray):
-        pass
+        """A bytearray that can be weakly referenced."""
 
     class Sink:
         def __init__(self, buf: Buffer) -> None:
