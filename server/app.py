@@ -170,12 +170,7 @@ class Server:
     async def _abandon_start(self) -> None:
         """Release what a start that failed half-way had bound: a socket file left behind would
         read as a live server's to the next start's neighbours (and clients)."""
-        for srv in self._servers:
-            srv.close()
-        if self._unix_inode is not None:  # (only ours: a failed bind may have found another server's)
-            remove_unix_listener(self.config.unix or "", self._unix_inode)
-        for task in self._tasks:
-            task.cancel()
+        self._close_now()
         if self.tier is not None:
             await self.tier.close()
 
@@ -271,7 +266,7 @@ class Server:
         tasks and every connection. (The tier is not flushed: :meth:`request_stop` does that.)"""
         for srv in self._servers:
             srv.close()
-        if self.config.unix and self._unix_inode is not None:
+        if self.config.unix and self._unix_inode is not None:  # (only ours: a failed bind may find another's)
             remove_unix_listener(self.config.unix, self._unix_inode)
         for task in self._tasks:
             task.cancel()

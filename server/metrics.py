@@ -47,11 +47,21 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0,
 )
 
+#: The tier's counters (``kvstore-cli stats``), exported as ``kvstore_tier_<name>_total``.
+_TIER_COUNTERS = {
+    "stored_blocks": "Blocks written to the tier",
+    "stored_bytes": "Payload bytes written to the tier",
+    "fetched_blocks": "Blocks read through from the tier",
+    "fetch_misses": "Reads through that found no block (or a value that is not one)",
+    "checksum_mismatches": "Blocks read from the tier that failed their checksum",
+    "misplaced_values": "Values found under a key they do not belong to (copied or renamed in Redis)",
+    "failures": "Tier calls that failed (a refused write, e.g. Redis out of memory, too)",
+    "outages": "Times the tier went from healthy to degraded",
+}
+
 #: Tier metrics exist only when the server has a backing tier.
 TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks",
-                *(f"kvstore_tier_{name}_total" for name in ("stored_blocks", "stored_bytes", "fetched_blocks",
-                                                             "fetch_misses", "checksum_mismatches",
-                                                             "misplaced_values", "failures", "outages")))
+                *(f"kvstore_tier_{name}_total" for name in _TIER_COUNTERS))
 
 
 class LatencyHistograms:
@@ -207,19 +217,6 @@ def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
     for field, doc in _TIER_COUNTERS.items():
         if field in tier:
             yield CounterMetricFamily(f"kvstore_tier_{field}", doc, value=tier[field])
-
-
-#: The tier's counters (``kvstore-cli stats``), exported as ``kvstore_tier_<name>_total`` (TIER_METRICS).
-_TIER_COUNTERS = {
-    "stored_blocks": "Blocks written to the tier",
-    "stored_bytes": "Payload bytes written to the tier",
-    "fetched_blocks": "Blocks read through from the tier",
-    "fetch_misses": "Reads through that found no block (or a value that is not one)",
-    "checksum_mismatches": "Blocks read from the tier that failed their checksum",
-    "misplaced_values": "Values found under a key they do not belong to (copied or renamed in Redis)",
-    "failures": "Tier calls that failed (a refused write, e.g. Redis out of memory, too)",
-    "outages": "Times the tier went from healthy to degraded",
-}
 
 
 def make_registry(service: Service) -> CollectorRegistry:

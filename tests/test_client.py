@@ -25,6 +25,10 @@ from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 
 
+class WeakBuffer(bytearray):
+    """A bytearray that can be weakly referenced (to see that nothing holds it any more)."""
+
+
 async def test_get_recycles_only_dropped_buffers() -> None:
     with ServerProcess("--capacity", "32MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", recycle_bytes=8 << 20) as kv:
@@ -478,9 +482,6 @@ async def test_a_cancelled_get_into_keeps_no_reference_to_its_buffers() -> None:
     whole client timeout after the reply had been read and dropped)"""
     import weakref
 
-    class Buffer(bytearray):
-        """A bytearray that can be weakly referenced."""
-
     with ServerProcess("--capacity", "64MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=1, timeout=30) as kv:
             keys = make_keys("kept", 8)
@@ -488,7 +489,7 @@ async def test_a_cancelled_get_into_keeps_no_reference_to_its_buffers() -> None:
             (conn,) = kv.nodes[0].conns
             refs = []
             for _ in range(20):
-                bufs = [Buffer(1 << 20) for _ in keys]
+                bufs = [WeakBuffer(1 << 20) for _ in keys]
                 refs += [weakref.ref(b) for b in bufs]
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(kv.get_into(keys, bufs), 0.001)
@@ -521,11 +522,8 @@ async def test_a_request_cancelled_while_its_reply_payload_comes_in_lets_its_buf
                     w.write(bytes(reply(ev.msg.OP, ev.request_id, payload_len=1 << 20)[0]) + b"x" * 1000)
             await w.drain()
 
-    class Buffer(bytearray):
-        """A bytearray that can be weakly referenced."""
-
     class Sink:
-        def __init__(self, buf: Buffer) -> None:
+        def __init__(self, buf: WeakBuffer) -> None:
             self.buf, self.sizes = buf, [len(buf)]
 
         def target(self, i: int) -> list[memoryview]:
@@ -536,7 +534,7 @@ async def test_a_request_cancelled_while_its_reply_payload_comes_in_lets_its_buf
     conn = await open_connection("127.0.0.1", port, namespace="t", token=None, tls=None, limits=DEFAULT_LIMITS,
                                  timeout=5)
     try:
-        buf = Buffer(1 << 20)
+        buf = WeakBuffer(1 << 20)
         ref = weakref.ref(buf)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(conn.request(Ping(), make_sink=lambda f: Sink(buf), timeout=30), 0.5)

@@ -17,7 +17,8 @@ usual ``[2, num_blocks, block_size, heads, dim]`` (``block_dim=1``) a part is
 The header makes a payload from a different dtype, shape or factor fail loudly
 (:class:`PayloadMismatch`, a :class:`~kvstore.errors.BlockSizeError`) even when its size
 happens to match. Tensors that are untyped byte views (vLLM hands its workers ``int8``
-pages) show no dtype or axis order: ``layout_tag`` names what their bytes mean. Payloads of one layout are interchangeable between processes and hosts.
+pages) show no dtype or axis order: ``layout_tag`` names what their bytes mean. Payloads of
+one layout are interchangeable between processes and hosts.
 
 On CUDA, gathers and scatters run on a side stream through pinned host buffers (one
 device->host or host->device copy per payload) and are synchronized before returning; on a
