@@ -121,6 +121,9 @@ class Server:
         self.poll = self.service.poll  # None: --busy-poll-us 0
         self.port: int | None = None
         self._unix_inode: int | None = None  # of the socket file we created (removed on shutdown)
+        #: Acknowledged write-behind blocks the tier could not write before the server stopped
+        #: (logged; ``kvstore-server`` then exits 1): lost with the process.
+        self.unwritten_blocks = 0
 
     def _new_connection(self) -> Connection | RejectedConnection:
         # A TLS connection joins self.connections once its handshake is done; until then it counts
@@ -303,7 +306,7 @@ class Server:
         for task in self._tasks:
             task.cancel()
         if self.tier is not None:
-            await self.tier.close()  # flushes the write-behind queue before exit
+            self.unwritten_blocks = await self.tier.close()  # flushes the write-behind queue before exit
         if self.metrics is not None:
             await self.metrics.close()
         for srv in self._servers:

@@ -206,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartupError as exc:  # a listener
         _say(exc, argv)
         return 2
-    return 0
+    # Acknowledged write-behind blocks that never reached Redis (logged): a supervisor should see
+    # a failed stop, not a clean one.
+    return 1 if server.unwritten_blocks else 0
 
 
 if __name__ == "__main__":

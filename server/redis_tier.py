@@ -494,8 +494,9 @@ class RedisTier(Tier):
         if values:
             self.max_block = min(values) - HEADER_SIZE
 
-    async def close(self) -> None:
-        """Flush the write-behind queue (probing a degraded Redis until ``flush_timeout``), then disconnect."""
+    async def close(self) -> int:
+        """Flush the write-behind queue (probing a degraded Redis until ``flush_timeout``), then
+        disconnect; the number of queued blocks that were not written."""
         deadline = time.monotonic() + self.flush_timeout
         if len(self.queue):
             log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
@@ -504,7 +505,8 @@ class RedisTier(Tier):
                 break
             await self.check_health()
             await asyncio.sleep(0.05)
-        if len(self.queue):
+        unwritten = len(self.queue)
+        if unwritten:
             why = "refused them" if self._up.is_set() and self._refusing else (
                 "was too slow" if self._up.is_set() else "unreachable")
             log.error("redis %s %s: %d acknowledged write-behind block(s) (%d bytes) were not written within "
@@ -514,6 +516,7 @@ class RedisTier(Tier):
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self.client.aclose()
+        return unwritten
 
     # -- health
 

@@ -34,8 +34,9 @@ class Tier(ABC):
     async def start(self) -> None: ...
 
     @abstractmethod
-    async def close(self) -> None:
-        """Flush anything not yet written (write-behind) and disconnect."""
+    async def close(self) -> int:
+        """Flush anything not yet written (write-behind) and disconnect; the number of
+        acknowledged blocks that could not be written (0: nothing lost)."""
 
     @abstractmethod
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:

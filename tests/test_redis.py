@@ -322,6 +322,20 @@ async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -
     assert int(redis.cli("STRLEN", block_key(NS, keys[-1]))) == HEADER_SIZE + 200_000
 
 
+async def test_a_stop_that_could_not_flush_the_write_behind_queue_exits_1(make_redis, make_server) -> None:
+    """Acknowledged blocks lost at exit: a supervisor sees a failed stop, not a clean one."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", "--drain-seconds", "1")
+    keys = chain(8, "lost")
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        redis.stop()  # and it stays down: the flush (5 s at least) cannot write them
+        assert (await kv.put(keys, blocks(keys, 10_000))).stored == 8
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(20) == 1
+    assert any("8 acknowledged write-behind block(s)" in line and "were not written" in line for line in srv.log)
+
+
 # ---------------------------------------------------------------- faults
 
 
