@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import ctypes
 import logging
 import os
 import ssl
@@ -741,6 +742,7 @@ class AsyncKVClient:
         keys = _listed(keys, "keys")  # (an iterator has no len: _get checks the keys themselves)
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} buffers")
+        _refuse_overlaps(views)
         out = await self._get(keys, views, unpin)
         return [b is not None for b in out]
 
@@ -913,6 +915,17 @@ def _listed(items: Any, what: str) -> list[Any]:
         return list(items)
     except (TypeError, NotImplementedError):  # (NotImplementedError: a memoryview of 2 dimensions or more)
         raise InvalidRequest(f"{what} must be a sequence, not {type(items).__name__}") from None
+
+
+def _refuse_overlaps(views: Sequence[memoryview]) -> None:
+    """Two destinations sharing memory would receive two blocks at once (a large read is split
+    over connections): the buffer would hold neither, each checksum passing on its own bytes."""
+    if len(views) < 2:
+        return
+    spans = sorted((ctypes.addressof(ctypes.c_char.from_buffer(v)), v.nbytes, i) for i, v in enumerate(views) if v.nbytes)
+    for (start, size, i), (nxt, _, j) in zip(spans, spans[1:]):
+        if start + size > nxt:
+            raise InvalidRequest(f"buffers {min(i, j)} and {max(i, j)} share memory: each block needs its own")
 
 
 def _seconds(name: str, value: Any, zero: bool = False) -> float | None:

@@ -130,6 +130,8 @@ class KVClient:
         self._runner.run(self._aio.connect())
 
     def close(self) -> None:
+        if self._runner.pid != os.getpid():  # a forked child: the connections are the parent's, left alone
+            return
         self._runner.run(self._aio.close())
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> PutResult:

@@ -418,9 +418,14 @@ def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
 
 def flat_bytes(mv: memoryview) -> memoryview:
     """A C-contiguous view as one flat run of bytes (the same memory); an empty one of any shape
-    (``np.zeros((0, 4))``, which ``cast`` refuses) as an empty view."""
+    (``np.zeros((0, 4))``, which ``cast`` refuses) as an empty view. A buffer of Python objects
+    (numpy ``dtype=object``: its bytes are pointers) is refused: stored, it means nothing; read
+    into, it crashes the process."""
     if mv.format == "B" and mv.ndim == 1:
         return mv
+    if "O" in mv.format:
+        raise InvalidRequest("a block must hold plain data, not Python objects (a numpy array of dtype=object; "
+                             "a list of tensors made into one array?)")
     return mv.cast("B") if mv.nbytes else memoryview(bytearray())
 
 

@@ -277,6 +277,49 @@ async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_get_into_buffers_that_share_memory_are_refused_before_anything_is_read(
+        make_server: Callable[..., ServerProcess], unix_path: str, transport: str) -> None:
+    """One buffer for two keys: a large read is split over connections, both halves landed in it at
+    once and the call returned [True, True] for bytes of neither block."""
+    np = pytest.importorskip("numpy")
+    srv = make_server("--capacity", "128MiB", "--unix", unix_path)
+    addr = f"unix:{unix_path}" if transport == "shm" else srv.addr
+    async with AsyncKVClient(addr, namespace="t", shm=transport == "shm") as kv:
+        keys = make_keys("alias", 3)
+        size = 24 << 20
+        await kv.put(keys, [bytes([0xAA]) * size, bytes([0xBB]) * size, bytes([0xCC]) * 4096])
+        whole = np.zeros(size + 4096, dtype=np.uint8)
+        for bufs, pair in (([whole[:size], whole[:size], whole[size:]], "0 and 1"),  # the same memory
+                           ([whole[size:], whole[:size], whole[size - 4096:]], "1 and 2"),  # a tail overlapping
+                           ([bytearray(size), whole[:size], whole[: size - 1]], "1 and 2")):
+            with pytest.raises(InvalidRequest, match=f"buffers {pair} share memory"):
+                await kv.get_into(keys, bufs)
+            assert not whole.any()  # nothing was read into them
+        empty = np.zeros(0, dtype=np.uint8)  # (empty buffers hold no memory to share)
+        out = [np.zeros(size, dtype=np.uint8), whole[:size], whole[size:]]
+        assert await kv.get_into(keys, out) == [True] * 3
+        assert (out[0] == 0xAA).all() and (out[1] == 0xBB).all() and (out[2] == 0xCC).all()
+        await kv.put(make_keys("alias-empty", 2), [b"", b""])
+        assert await kv.get_into(make_keys("alias-empty", 2), [empty, empty]) == [True, True]
+
+
+async def test_buffers_of_python_objects_are_refused_for_put_and_get_into() -> None:
+    """A numpy array of dtype=object exports pointers: put stored them, get_into wrote block bytes
+    over them and the process crashed when it read the array."""
+    np = pytest.importorskip("numpy")
+    with ServerProcess("--capacity", "16MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
+            k = make_keys("objects", 1)
+            with pytest.raises(InvalidRequest, match="plain data, not Python objects"):
+                await kv.put(k, [np.array([b"a", 1], dtype=object)])
+            assert await kv.exists(k) == [False]
+            await kv.put(k, [b"\x07" * 16])
+            target = np.empty(2, dtype=object)
+            with pytest.raises(InvalidRequest, match="plain data, not Python objects"):
+                await kv.get_into(k, [target])
+            assert list(target) == [None, None]  # untouched, still readable
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_put_that_continues_a_stored_prefix_is_evicted_before_that_prefix(
         make_server: Callable[..., ServerProcess], unix_path: str, transport: str) -> None:
     """Room for 8 one-page blocks: the prefix A (4), its continuation B (4), then 4 blocks of an

@@ -197,6 +197,32 @@ def test_an_async_client_used_in_a_forked_child_raises_there_and_the_parent_keep
             loop.close()
 
 
+def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working() -> None:
+    """In a forked child a KVClient's calls raise TransportError, and close() (a ``with`` block's end)
+    raised it too; it now lets the parent's client be, as AsyncKVClient.close() does."""
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="fork", pool_size=1) as kv:
+        kv.put([key(1, "fork")], [b"P" * 4096])
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)
+            code = 3
+            try:
+                try:
+                    kv.exists([key(1, "fork")])
+                    code = 1
+                except TransportError as exc:
+                    kv.close()
+                    kv.close()
+                    code = 0 if "fork" in str(exc) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert kv.get([key(1, "fork")]) == [bytearray(b"P" * 4096)]
+
+
 # (the first asyncio.run closes its loop with the client's connection open: asyncio warns of it when
 # the forgotten transport is collected, as it should)
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")

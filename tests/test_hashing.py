@@ -126,8 +126,9 @@ def test_algorithms() -> None:
     assert set(ALGORITHMS) == {"sha256", "xxh3_128"}
     with pytest.raises(ValueError, match="unknown hash algorithm"):
         BlockHasher(16, algo="md5")
-    with pytest.raises(ValueError):
-        BlockHasher(0)
+    for bad in (0, 2.5, "4", None):  # (2.5 failed at the first key, "4" with a bare TypeError)
+        with pytest.raises(ValueError, match="integer >= 1"):
+            BlockHasher(bad)  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)
@@ -156,6 +157,11 @@ def test_bad_tokens_and_extras_are_refused() -> None:
         h.keys([1, "2"])  # type: ignore[list-item]
     with pytest.raises(ValueError):
         h.block_key(None, [1, 2, 3])
+    first = h.block_key(None, [1, 2])
+    assert h.block_key(first, [3, 4]) == h.keys([1, 2, 3, 4])[1]
+    for parent in (first.hex(), first[:16], bytearray(first)):  # (a str: bare TypeError; a short key: taken)
+        with pytest.raises(ValueError, match="parent must be a 32-byte key"):
+            h.block_key(parent, [3, 4])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         h.keys([1, 2], extra=0.5)
     chain = h.chain(token_ids=[1])

@@ -147,6 +147,24 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         PagedKVTransfer([], 2)
 
 
+def test_devices_other_than_the_cpu_go_through_device_side_payloads() -> None:
+    """Off the CPU (CUDA, and xpu, mps, ...: any device torch copies to and from the host) blocks
+    are gathered into payloads on the device and copied once each way; only CUDA took that path
+    before, and another device failed in torch's copy with a bare RuntimeError. No accelerator
+    here: the path is run on CPU tensors, its copies included. The meta device holds no data."""
+    src, dst = make_caches(torch.bfloat16, 1), make_caches(torch.bfloat16, 1, "zeros")
+    out, into = PagedKVTransfer(src, 2), PagedKVTransfer(dst, 2)
+    expected = [p.clone() for p in out.gather([7, 2, 5, 0])]
+    out._staged = into._staged = True
+    payloads = out.gather([7, 2, 5, 0])
+    assert all(torch.equal(p, e) for p, e in zip(payloads, expected))
+    into.scatter(payloads, [1, 9, 3, 4])
+    for s, d in zip(src, dst):
+        same(blocks_of(d, 1, [1, 9, 3, 4]), blocks_of(s, 1, [7, 2, 5, 0]))
+    with pytest.raises(ValueError, match="meta device"):
+        PagedKVTransfer([torch.empty(2, 4, 2, 2, device="meta")], 2)
+
+
 class DictStore:
     """An in-process stand-in with the client's contract, for the executor's own logic only
     (the executor against the real server: test_seed_scenario.py, test_pd_example.py)."""

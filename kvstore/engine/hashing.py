@@ -106,8 +106,8 @@ class BlockHasher:
     """
 
     def __init__(self, block_size: int, *, algo: str = "sha256", seed: object = b"") -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if type(block_size) is not int or block_size < 1:  # (2.5 failed at the first key; "4" a TypeError)
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         try:
             self._digest, self.key_size = ALGORITHMS[algo]
         except KeyError:
@@ -120,8 +120,11 @@ class BlockHasher:
         """The key of one full block whose predecessor has key ``parent`` (None: first block).
 
         Raises:
-            ValueError: ``tokens`` is not exactly one block, or a token is not an int64.
+            ValueError: ``tokens`` is not exactly one block, a token is not an int64, or
+                ``parent`` is not a key of this hasher.
         """
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != self.key_size):
+            raise ValueError(f"parent must be a {self.key_size}-byte key of this hasher (or None), got {parent!r}")
         return self._key(self.root if parent is None else parent, tokens, canonical_bytes(extra))
 
     def keys(self, token_ids: Sequence[int], extra: object = None) -> list[bytes]:

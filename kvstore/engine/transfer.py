@@ -89,6 +89,8 @@ class PagedKVTransfer:
         if not 0 <= dim < ndim - 1:
             raise ValueError(f"block_dim {block_dim} must name an axis before the last of a {ndim}-d tensor")
         self.device = first.device
+        if self.device.type == "meta":
+            raise ValueError("the KV cache tensors are on the meta device: they hold no data to move")
         self.block_dim = dim
         self.factor = block_size_factor
         self.num_gpu_blocks = first.shape[dim]
@@ -115,6 +117,9 @@ class PagedKVTransfer:
         self._header = torch.frombuffer(
             bytearray(_HEADER.pack(_MAGIC, _VERSION, block_size_factor, fingerprint)), dtype=torch.uint8
         )
+        # Off the CPU, blocks are gathered into (and scattered from) device-side payloads, moved to
+        # and from the host in one copy each; CUDA does that on a side stream, with pinned buffers.
+        self._staged = self.device.type != "cpu"
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # type: ignore[no-untyped-call]
 
@@ -148,14 +153,14 @@ class PagedKVTransfer:
                 raise PayloadMismatch(f"buffer {i} must be a contiguous 1-d uint8 CPU tensor")
             self._check_size(i, p.numel())
         with self._on_side_stream():
-            work = payloads if not self._cuda else [torch.empty_like(p, device=self.device) for p in payloads]
+            work = payloads if not self._staged else [torch.empty_like(p, device=self.device) for p in payloads]
             for i, dst in enumerate(work):
                 block_ids = ids[i * self.factor : (i + 1) * self.factor]
                 for raw, off, size, shape in zip(self._layers, self._offsets, self._part_sizes, self._part_shapes):
                     torch.index_select(raw, self.block_dim, block_ids, out=dst[off : off + size].view(shape))
-            if self._cuda:
+            if self._staged:
                 for dst, src in zip(payloads, work):
-                    dst.copy_(src, non_blocking=True)
+                    dst.copy_(src, non_blocking=self._cuda)  # (waited for as the side stream ends)
         for p in payloads:
             p[:HEADER_SIZE].copy_(self._header)
         return payloads
@@ -181,8 +186,8 @@ class PagedKVTransfer:
         ids = self._ids(gpu_block_ids)
         sources = [self._checked(i, p) for i, p in enumerate(payloads)]
         with self._on_side_stream():
-            if self._cuda:
-                sources = [s.to(self.device, non_blocking=True) for s in sources]
+            if self._staged:
+                sources = [s.to(self.device, non_blocking=self._cuda) for s in sources]
             pos = 0
             for i, src in enumerate(sources):
                 first = skip if i == 0 else 0
