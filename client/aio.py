@@ -38,6 +38,7 @@ from . import replies
 from .connection import ClientConnection, Response, open_connection
 from .shm import GetOutcome, ShmChannel, ShmGone, open_channel
 from .sharding import Ring
+from . import workers
 from .workers import run_parallel
 
 T = TypeVar("T")
@@ -457,6 +458,7 @@ class AsyncKVClient:
             raise InvalidRequest(f"limits must be a kvstore.protocol.Limits, got {limits!r}")
         if shm not in (None, True, False):
             raise InvalidRequest(f"shm must be None, True or False, got {shm!r}")
+        workers.check_setting()
         self.verify = verify
         self.limits = limits
         self.shm = shm

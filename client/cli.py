@@ -25,6 +25,7 @@ from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, Transpo
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
 
+from . import workers
 from .aio import AsyncKVClient
 from .connection import open_connection
 
@@ -191,6 +192,10 @@ def _tls(args: argparse.Namespace) -> ssl.SSLContext | bool | None:
 
 
 def make_client(args: argparse.Namespace) -> AsyncKVClient:
+    try:
+        workers.check_setting()  # (a variable the client library reads itself)
+    except InvalidRequest as exc:
+        raise UsageError(str(exc)) from None
     tls = _tls(args)
     token = read_token(args.token_file)
     try:

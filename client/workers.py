@@ -15,19 +15,27 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence, TypeVar
 
+from kvstore.errors import InvalidRequest
+
 T = TypeVar("T")
 
-def _threads() -> int:
+def _threads() -> tuple[int, str | None]:
     setting = (os.environ.get("KVSTORE_CLIENT_THREADS") or os.environ.get("KVSTORE_SHM_COPY_THREADS") or "0").strip()
-    if not setting.isdigit():
-        raise ValueError(f"KVSTORE_CLIENT_THREADS must be a whole number of threads, got {setting!r}")
-    return int(setting) or min(4, os.cpu_count() or 1)
+    if not setting.isdigit():  # (not raised here: an import must not fail; a client made refuses it)
+        return 1, f"KVSTORE_CLIENT_THREADS must be a whole number of threads, got {setting!r}"
+    return int(setting) or min(4, os.cpu_count() or 1), None
 
 
 #: Threads working on one batch, the calling thread included: ``KVSTORE_CLIENT_THREADS``
 #: (1: everything inline; unset or 0: ``min(4, CPUs)``; the older name
 #: ``KVSTORE_SHM_COPY_THREADS`` still works).
-THREADS = _threads()
+THREADS, _SETTING_ERROR = _threads()
+
+
+def check_setting() -> None:
+    """Raise :class:`InvalidRequest` for an unusable ``KVSTORE_CLIENT_THREADS`` (every client made checks)."""
+    if _SETTING_ERROR is not None:
+        raise InvalidRequest(_SETTING_ERROR)
 #: Batches smaller than this run inline: a thread hand-off would cost more than it saves.
 PARALLEL_MIN = 2 << 20
 #: Nor do batches of small jobs go to the helpers: each job's Python runs under the GIL, so
@@ -78,4 +86,4 @@ def run_parallel(jobs: Sequence[Callable[[], T]], nbytes: int) -> list[T]:
     return [done[j % threads][j // threads] for j in range(len(jobs))]
 
 
-__all__ = ["JOB_MIN", "PARALLEL_MIN", "THREADS", "run_parallel"]
+__all__ = ["JOB_MIN", "PARALLEL_MIN", "THREADS", "check_setting", "run_parallel"]

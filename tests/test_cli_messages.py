@@ -228,6 +228,22 @@ def test_a_bad_cli_environment_value_names_the_variable_not_python() -> None:
         "kvstore-cli: bad KVSTORE_TIMEOUT='abc': expected a number of seconds > 0, got 'abc'"
 
 
+def test_a_bad_client_threads_variable_is_a_usage_error_and_a_typed_one_in_the_library() -> None:
+    """The variable was read when kvstore.client was imported: a traceback from every kvstore-cli
+    command (--help too), and a bare ValueError from ``import kvstore.client``."""
+    env = {"KVSTORE_ADDR": dead_addr(), "KVSTORE_CLIENT_THREADS": "four"}
+    assert cli("--help", env=env).returncode == 0
+    r = cli("ping", env=env)
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-cli") == \
+        "kvstore-cli: KVSTORE_CLIENT_THREADS must be a whole number of threads, got 'four'"
+    probe = ("import kvstore.client as c, kvstore.errors as e\n"
+             "try:\n    c.AsyncKVClient('127.0.0.1:1')\nexcept e.InvalidRequest as exc:\n    print(exc)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30,
+                         env=clean_env(KVSTORE_CLIENT_THREADS="four"))
+    assert out.returncode == 0 and "KVSTORE_CLIENT_THREADS must be a whole number" in out.stdout, out.stderr
+
+
 def test_an_unknown_option_after_the_command_shows_the_commands_usage() -> None:
     r = cli("--addr", dead_addr(), "stats", "--bogus")
     assert r.returncode == 2

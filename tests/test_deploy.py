@@ -16,12 +16,13 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import yaml
 
 from kvstore.client import KVClient
+from kvstore.config import ServerConfig, parse_size
 from kvstore.server.cli import build_parser, config_from_args
 from kvstore.server.metrics import TIER_METRICS
 from kvstore.server.process import ServerProcess
@@ -36,19 +37,28 @@ def flag_dests() -> set[str]:
     return {a.dest for a in build_parser()._actions}
 
 
-def check_env(env: dict[str, str], where: str) -> None:
-    """Every KVSTORE_* name is a real flag and every value parses (via the real env-var path)."""
+def check_env(env: dict[str, str], where: str, args: Sequence[str] = ()) -> ServerConfig:
+    """Every KVSTORE_* name is a real flag and every value parses (via the real env-var path); the
+    settings the server would run with, given these variables and command-line ``args``."""
     dests = flag_dests()
     for name in env:
         assert name.startswith("KVSTORE_") and name[8:].lower() in dests, f"{where}: {name} is no kvstore flag"
     old = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("KVSTORE_")}
     try:
         os.environ.update(env)
-        config_from_args([])  # SystemExit on a bad value
+        return config_from_args(list(args))  # SystemExit on a bad value
     finally:
         for k in env:
             os.environ.pop(k, None)
         os.environ.update(old)
+
+
+def image_env_and_cmd() -> tuple[dict[str, str], list[str]]:
+    """The Dockerfile's ENV variables and its CMD (the default arguments; none when it has no CMD)."""
+    instrs = dockerfile()
+    env = dict(kv.split("=", 1) for i, a in instrs if i == "ENV" for kv in shlex.split(a))
+    cmd = [json.loads(a) for i, a in instrs if i == "CMD" and a.startswith("[")]
+    return env, cmd[-1] if cmd else []
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -86,8 +96,12 @@ def test_dockerfile_entrypoint_is_the_console_script_and_copies_existing_files()
     scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     assert re.search(r'^kvstore-server = "kvstore\.server\.cli:main"$', scripts, re.M)
     assert (VENV_BIN / "kvstore-server").exists()  # what pip makes of that entry point
-    cmd = [json.loads(a) for i, a in instrs if i == "CMD" and a.startswith("[")]
-    config_from_args(cmd[-1])  # the default arguments are real flags
+    image_env, cmd = image_env_and_cmd()
+    # Settings go in KVSTORE_* variables, not CMD flags: a flag wins over its variable, so a CMD
+    # --capacity silently overrode the capacity a ConfigMap or `docker run -e` set.
+    assert cmd == [], "the image's default settings belong in ENV, where a deployment's variables override them"
+    assert check_env({**image_env, "KVSTORE_CAPACITY": "3GiB"}, "docker run -e").capacity == 3 << 30
+    assert check_env(image_env, "Dockerfile ENV").capacity == 1 << 30  # (the image's default)
     for instr, args in instrs:
         if instr == "COPY" and not args.startswith("--from"):
             *sources, _ = args.split()
@@ -164,7 +178,10 @@ def test_kubernetes_manifests_fit_together() -> None:
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     (ctr,) = pod["spec"]["containers"]
     cm = objs[("ConfigMap", ctr["envFrom"][0]["configMapRef"]["name"])]
-    check_env({**cm["data"], **{e["name"]: e["value"] for e in ctr["env"]}}, "k8s")
+    image_env, cmd = image_env_and_cmd()
+    config = check_env({**image_env, **cm["data"], **{e["name"]: e["value"] for e in ctr["env"]}}, "k8s",
+                       ctr.get("args", cmd))  # (a container's args replace the image's CMD)
+    assert config.capacity == parse_size(cm["data"]["KVSTORE_CAPACITY"])  # what the pod's memory is sized for
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
     assert ports == {"kvstore": int(cm["data"]["KVSTORE_PORT"]), "metrics": int(cm["data"]["KVSTORE_METRICS_PORT"])}
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
