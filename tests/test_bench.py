@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,84 @@ async def test_a_kvstore_target_that_fails_to_start_stops_its_server() -> None:
         await t.stop()
         raise AssertionError("a shm target started on a server without shm")
     assert t.server.proc is not None and t.server.proc.poll() is not None  # the server is gone, not orphaned
+
+
+def test_bad_arguments_are_usage_errors_before_any_server_starts(tmp_path: Path) -> None:
+    """Unknown phases and systems were ignored (a --skip of 'conc' ran the sweep); bad numbers raised
+    tracebacks, some after the servers had started."""
+    cases = [
+        (["--skip", "conc"], "--skip: unknown 'conc'"),
+        (["--systems", "kvstore,reddis"], "--systems: unknown 'reddis'"),
+        (["--sizes", "64k,abc"], "--sizes: expected a comma list of positive numbers"),
+        (["--batches", "0"], "--batches: expected a comma list of positive numbers"),
+        (["--conc", "get_into:x"], "--conc: expected op:batch"),
+        (["--trials", "0"], "--trials: must be at least 1"),
+        (["--capacity", "512XB"], "--capacity: not a size"),
+    ]
+    for args, message in cases:
+        done = subprocess.run([sys.executable, "-m", "kvstore.bench.cli", *args, "--json", "", "--chart", ""],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_bench_and_every_server_it_started(tmp_path: Path) -> None:
+    """`timeout`, a cancelled CI job, `kill`: the bench died and its kvstore and redis servers
+    (a pre-faulted arena each) ran on; it stops them as it does on Ctrl-C now."""
+    cmd = [sys.executable, "-m", "kvstore.bench.cli", "--quick", "--sizes", "64k", "--batches", "1",
+           "--trials", "500", "--capacity", "16MiB", "--skip", "fill,lookup,concurrency,capacity,memory",
+           "--json", "", "--chart", ""]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert bench.stdout is not None
+        for line in bench.stdout:  # (bounded: the process ends, or the matrix starts)
+            if line.startswith("# matrix"):
+                break
+        servers = _children(bench.pid)
+        assert len(servers) >= 3  # raw, kvstore (tcp, unix, shm), redis where installed
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 143 and "terminated; its servers are stopped" in err, err[-2000:]
+    assert not [pid for pid in servers if _alive(pid)]
+    assert not list(tmp_path.iterdir())
+
+
+def test_ab_servers_of_the_older_tree_import_it_from_any_working_folder(tmp_path: Path) -> None:
+    """``python -m`` puts the working folder first on sys.path: started from the repository, the
+    "before" server imported the working tree's package and A/B measured one tree twice."""
+    from kvstore.bench.ab import _env
+
+    pkg = tmp_path / "before"
+    (pkg / "kvstore").mkdir(parents=True)
+    (pkg / "kvstore" / "__init__.py").write_text("")
+    (pkg / "kvstore" / "probe.py").write_text("print(__file__)\n")
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "kvstore" / "__init__.py").exists() and not (root / "kvstore" / "probe.py").exists()
+    done = subprocess.run([sys.executable, "-m", "kvstore.probe"], env=_env(str(pkg)), cwd=root,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == str(pkg / "kvstore" / "probe.py"), done.stderr

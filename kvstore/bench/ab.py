@@ -132,6 +132,9 @@ def _env(pkg: str | None) -> dict[str, str]:
     env.pop("PYTHONPATH", None)
     if pkg:
         env["PYTHONPATH"] = pkg
+        # ``python -m`` puts the working directory first on sys.path: run from the repository, the
+        # "before" server imported the working tree's package (the same code on both sides).
+        env["PYTHONSAFEPATH"] = "1"
     return env
 
 

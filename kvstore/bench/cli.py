@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from typing import Any, NamedTuple
@@ -92,6 +93,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SYSTEMS = ("raw", "kvstore", "kvstore-unix", "kvstore-shm", "redis", "lmcache")
+PHASES = ("fill", "matrix", "lookup", "concurrency", "capacity", "memory")
+CONC_OPS = ("get_into", "get", "put")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the run would trip over later (a traceback after servers started) or ignore
+    (an unknown phase to skip, which then ran): a usage error, exit 2."""
+    def listed(flag: str, text: str, known: tuple[str, ...]) -> None:
+        unknown = [n for n in (t.strip() for t in text.split(",")) if n and n not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+
+    def positive(flag: str, parse: Any, text: str) -> None:
+        try:
+            values = parse(text)
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            p.error(f"{flag}: expected a comma list of positive numbers, got {text!r}")
+
+    listed("--systems", args.systems, SYSTEMS)
+    listed("--skip", args.skip, PHASES)
+    for flag, parse, text in (("--sizes", parse_sizes, args.sizes), ("--batches", parse_ints, args.batches),
+                              ("--chains", parse_ints, args.chains), ("--clients", parse_ints, args.clients),
+                              ("--conc-size", parse_sizes, args.conc_size)):
+        positive(flag, parse, text)
+    for w in args.conc.split(","):
+        op, colon, batch = w.strip().partition(":")
+        if op not in CONC_OPS or (colon and not (batch.isdigit() and int(batch) > 0)):
+            p.error(f"--conc: expected op:batch with op one of {', '.join(CONC_OPS)}, got {w!r}")
+    for flag in ("trials", "lookup_reps", "min_rounds", "fill_mib", "small_blocks", "pool_size"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "small_blocks" else 1):
+            p.error(f"--{flag.replace('_', '-')}: must be at least {0 if flag == 'small_blocks' else 1}, got {value}")
+    for flag in ("target_mib", "conc_seconds", "min_seconds"):
+        value = getattr(args, flag)
+        if value is not None and not value > (0 if flag != "min_seconds" else -1):
+            p.error(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+    if args.capacity is not None:
+        try:
+            parse_size(args.capacity)
+        except ValueError as exc:
+            p.error(f"--capacity: {exc}")
+
+
 def _cpu_model() -> str:
     """The CPU's model name (Linux), e.g. to tell which hosts' copy speeds a run can be compared with."""
     try:
@@ -103,6 +150,38 @@ def _cpu_model() -> str:
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+class _Stopper:
+    """SIGTERM (`timeout`, a cancelled CI job, kill) and Ctrl-C end the run with its servers stopped.
+
+    The run is cancelled, and again every half second until it has reached its clean-up: a
+    cancel can be lost (``asyncio.wait_for`` on Python 3.11, which redis-py uses, drops one that
+    comes as its awaitable completes; the run then went on, or hung, with every server running).
+    """
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    received: int | None = None  # the signal that ended the run (main's exit code)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.task = loop, asyncio.current_task()
+        self.cleaning = False
+        self.handled = [sig for sig in self.signals if signal.getsignal(sig) is not signal.SIG_IGN]
+        for sig in self.handled:  # (a SIGINT ignored, as by a shell's background job, stays ignored)
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        _Stopper.received = _Stopper.received or sig
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if self.task is not None and not self.task.done() and not self.cleaning:
+            self.task.cancel()
+            self.loop.call_later(0.5, self._cancel)
+
+    def close(self) -> None:
+        for sig in self.handled:
+            self.loop.remove_signal_handler(sig)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,29 +213,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes,
     }
     meter = LoadMeter()
-    targets: list[Target] = []
+    targets: list[Target] = []  # started: stopped however the run ends
     kv: KVStoreTarget | None = None
     redis: RedisTarget | None = None
+    stopper = _Stopper(asyncio.get_running_loop())
     try:
+        planned: list[Target] = []
         if "raw" in systems:
-            targets.append(RawTarget())
+            planned.append(RawTarget())
         if "kvstore" in systems:
             kv = KVStoreTarget(capacity, pool_size=args.pool_size, server_args=server_args)
-            targets.append(kv)
+            planned.append(kv)
         for transport in ("unix", "shm"):  # same-host transports, beside TCP in the same cells
             if KVStoreTarget.NAMES[transport] in systems:
-                targets.append(KVStoreTarget(capacity, pool_size=args.pool_size, server_args=server_args,
+                planned.append(KVStoreTarget(capacity, pool_size=args.pool_size, server_args=server_args,
                                              transport=transport))
         if "redis" in systems:
             if RedisTarget.available(args.redis_server):
                 redis = RedisTarget(parse_size(capacity), args.redis_server)
-                targets.append(redis)
+                planned.append(redis)
             else:
                 notes.append(f"redis: `{args.redis_server}` or redis-py not found: skipped")
         if "lmcache" in systems:
             notes.append(lmcache_status()[1])
-        for t in targets:
-            await t.start()
+        for t in planned:
+            await t.start()  # (a start that fails or is cancelled stops what it had started)
+            targets.append(t)
             meter.watch(t.pid)
         if redis is not None:
             res["host"]["redis"] = {"version": redis.version, "hiredis": redis.hiredis}
@@ -201,7 +283,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [kv] if kv is not None else []
         if "concurrency" not in skip and kv is not None:
             conc_size = parse_sizes(args.conc_size)[0]
-            workloads = [(w.split(":")[0], int(w.split(":")[1]) if ":" in w else 1) for w in args.conc.split(",")]
+            workloads = [(w.split(":")[0].strip(), int(w.split(":")[1]) if ":" in w else 1) for w in args.conc.split(",")]
             conc_trials = min(trials, 5)
             _say(f"# concurrency: clients {args.clients}, {fmt_size(conc_size)} blocks, {workloads}, "
                  f"{conc_seconds}s per point, {conc_trials} trials")
@@ -220,11 +302,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 res["small_blocks"] = await run_small_blocks(small_blocks, 4096, _say, meter)
             res["index_overhead"] = index_overhead(min(small_blocks or 10_000, 100_000))
     finally:
+        stopper.cleaning = True  # (no more cancels: they would cut the stops short)
         for t in targets:
             try:
                 await t.stop()
             except Exception as exc:  # keep stopping the others
                 _say(f"# warning: stopping {t.name}: {exc!r}")
+        stopper.close()
     res["load"] = meter.report()
     res["targets"] = check_targets(res)
     return res
@@ -267,13 +351,21 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     try:
         import uvloop
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    res = runner(run(args))
+    try:
+        res = runner(run(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sig = _Stopper.received or signal.SIGINT
+        print(f"kvstore-bench: {'terminated' if sig == signal.SIGTERM else 'interrupted'}; its servers are stopped",
+              file=sys.stderr)
+        return 128 + sig
     print_report(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import cProfile
 import collections
+import contextlib
 import io
 import os
 import pstats
@@ -98,7 +99,9 @@ async def run(args: argparse.Namespace) -> None:
         raise SystemExit("py-spy not found: pip install py-spy")
     kv = KVStoreTarget(args.capacity, transport=args.transport)
     await kv.start()
-    out = args.out or tempfile.mktemp(prefix="kvstore-prof-", suffix=".txt")
+    fd, out = (-1, args.out) if args.out else tempfile.mkstemp(prefix="kvstore-prof-", suffix=".txt")
+    if fd >= 0:
+        os.close(fd)
     try:
         if args.full:
             await kv.fill()  # every put evicts, as in service
@@ -129,7 +132,7 @@ async def run(args: argparse.Namespace) -> None:
         if rec.returncode:
             print(f"# py-spy failed: {err.strip()[-500:]}")
         else:
-            print(f"# server profile ({out}):")
+            print(f"# server profile ({args.out or 'keep the stacks with --out FILE'}):")
             print(summarize_collapsed(out, args.top))
         if prof:
             s = io.StringIO()
@@ -138,6 +141,9 @@ async def run(args: argparse.Namespace) -> None:
             print(s.getvalue())
     finally:
         await kv.stop()
+        if not args.out:
+            with contextlib.suppress(OSError):
+                os.remove(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,7 +130,14 @@ class KVStoreTarget(Target):
             args += ["--unix", path]
         self.server = ServerProcess("--capacity", self.capacity, "--idle-timeout", "0", "--frame-timeout", "0",
                                     *args)
-        await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        # Started on the loop's thread, blocking it for the start (nothing else runs yet): in an
+        # executor, a cancel (Ctrl-C, SIGTERM) left the thread to finish starting a server nobody stopped.
+        try:
+            self.server.start()  # (a server that does not start is killed)
+        except BaseException:
+            if self.dir is not None:
+                self.dir.cleanup()
+            raise
         assert self.server.proc is not None
         self.pid = self.server.proc.pid
         try:
@@ -232,7 +239,6 @@ class RedisTarget(Target):
         return shutil.which(executable) is not None and importlib.util.find_spec("redis") is not None
 
     async def start(self) -> None:
-        import redis
         import redis.asyncio as aredis
 
         self.dir = tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-")
@@ -244,24 +250,39 @@ class RedisTarget(Target):
                  "--maxmemory", str(self.capacity), "--maxmemory-policy", "volatile-lru"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.client = aredis.Redis(host="127.0.0.1", port=port)
-            for _ in range(100):
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    info = await self.client.info("server")
-                except redis.ConnectionError:
-                    await asyncio.sleep(0.05)
-                    continue
-                if info["process_id"] != self.proc.pid:  # never talk to someone else's server
-                    raise RuntimeError(f"port {port} answered by a redis-server this bench did not start")
-                self.pid = self.proc.pid
-                self.port = port
-                self.version = info.get("redis_version")
-                self.hiredis = redis.utils.HIREDIS_AVAILABLE
-                return
+            try:
+                if await self._await_start(port):
+                    return
+            except BaseException:  # (a cancel too: the server this bench started never outlives the start)
+                await self.client.aclose()
+                self._kill()
+                self.dir.cleanup()
+                raise
             await self.client.aclose()
             self._kill()
+        self.dir.cleanup()
         raise RuntimeError("redis-server did not start")
+
+    async def _await_start(self, port: int) -> bool:
+        """Wait for the server just started on ``port``; False if it exited (the port was taken)."""
+        import redis
+
+        for _ in range(100):
+            if self.proc.poll() is not None:
+                return False
+            try:
+                info = await self.client.info("server")
+            except redis.ConnectionError:
+                await asyncio.sleep(0.05)
+                continue
+            if info["process_id"] != self.proc.pid:  # never talk to someone else's server
+                raise RuntimeError(f"port {port} answered by a redis-server this bench did not start")
+            self.pid = self.proc.pid
+            self.port = port
+            self.version = info.get("redis_version")
+            self.hiredis = redis.utils.HIREDIS_AVAILABLE
+            return True
+        return False
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
