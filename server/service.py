@@ -161,15 +161,19 @@ class PutSink:
         mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
         for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
             self.tier_writes[(self.ns, keys[i])] = mine
-        return self._store_in_tier(stored_idx, mine, others)
+        # Pinned now, as they become visible: before the tier write's first step, other connections'
+        # puts could evict them, and a block gone from memory was left out of the write, acknowledged.
+        refs = self.store.acquire_many(self.ns, [keys[i] for i in stored_idx])
+        return self._store_in_tier(stored_idx, refs, mine, others)
 
-    async def _store_in_tier(self, idx: list[int], mine: asyncio.Future[Unavailable | None],
+    async def _store_in_tier(self, idx: list[int], refs: list[BlockRef | None], mine: asyncio.Future[Unavailable | None],
                              others: dict[int, asyncio.Future[Unavailable | None]]) -> Fields:
         keys = [self.msg.keys[i] for i in idx]
         failure: Unavailable | None = Unavailable("the tier write of this block did not finish")
         try:
-            failure = await self._write_to_tier(idx) if idx else None
+            failure = await self._write_to_tier(idx, refs) if idx else None
         finally:  # (anything else raised, or cancelled: the PUTs waiting on it fail too)
+            self.store.release_many([ref for ref in refs if ref is not None])
             mine.set_result(failure)
             for k in keys:
                 if self.tier_writes.get((self.ns, k)) is mine:
@@ -192,11 +196,14 @@ class PutSink:
                     self.failed_blocks[name] = self.failed_blocks.get(name, 0) + 1
         return self.fields()
 
-    async def _write_to_tier(self, idx: list[int]) -> Unavailable | None:
-        """Hand the blocks ``idx`` to the tier; on failure drop them from memory and return the error."""
-        refs = list(zip(idx, self.store.acquire_many(self.ns, [self.msg.keys[i] for i in idx])))
-        blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in refs if ref is not None]
+    async def _write_to_tier(self, idx: list[int], refs: list[BlockRef | None]) -> Unavailable | None:
+        """Hand the blocks ``idx`` (pinned by ``refs`` since their commit) to the tier; on failure
+        drop them from memory and return the error."""
         try:
+            if not all(refs):  # (cannot happen: committed and pinned in one step)
+                raise Unavailable("a block left memory before it could be written to the tier")
+            blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                      for i, ref in zip(idx, refs) if ref is not None]
             assert self.tier is not None
             await self.tier.store(self.ns, blocks)
         except Exception as exc:
@@ -210,10 +217,6 @@ class PutSink:
                 self.status[i] = failure.code
                 self.errors[i] = str(failure)
             return failure
-        finally:
-            for _, ref in refs:
-                if ref is not None:
-                    self.store.release(ref)
         return None
 
     def fields(self) -> Fields:
