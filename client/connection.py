@@ -238,9 +238,15 @@ class ClientConnection(asyncio.BufferedProtocol):
             # The caller gave up: its buffers may still be referenced by the transport or about
             # to receive bytes. Unless neither can be, drop the connection.
             if fut.done() and not fut.cancelled():  # (answered, or failed, as the cancel came)
+                if fut.exception() is None and not droppable:
+                    self.abort(TransportError("request cancelled as its reply came; connection discarded"))
                 _drop_outcome(fut)
             elif self.pending.get(p.rid) is not p:
-                pass  # its reply came whole between the cancel and now (the caller had not resumed yet)
+                # Its reply came whole between the cancel and now (the caller had not resumed yet). One
+                # that handed the connection state (an shm handle) leaves it to nobody: the connection's
+                # end gives it back.
+                if not droppable:
+                    self.abort(TransportError("request cancelled as its reply came; connection discarded"))
             elif droppable and not self.closed and self._handed_over(payload, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)

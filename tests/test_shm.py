@@ -24,6 +24,7 @@ from kvstore.protocol import Hello, ShmAttach, ShmPut
 from kvstore.server.app import Server
 from kvstore.server.service import Session
 
+from redis_fixtures import eventually
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
     MakeServer, arena_mappings, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
     unix_path,
@@ -214,6 +215,41 @@ async def test_read_pins_time_out_and_the_copy_is_refused(make_server: MakeServe
         assert await shm_release(conn, fields["handle"]) is False  # the client learns its copy is not safe
         assert (await kv.stats())["shm"]["expired"] == 1
         assert [bytes(b) for b in await kv.get([k])] == [data(k, 5000)]  # a normal read is unaffected
+
+
+@pytest.mark.parametrize("op", ["get", "put"])
+async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behind(
+        make_server: MakeServer, unix_path: str, op: str) -> None:
+    """A cancel that lands in the loop turn the SHM_GET / SHM_PUT reply arrives in (a wait_for timing
+    out, another task's cancel): the reply was dropped with its handle, the pooled connection kept,
+    and the server held the read pins (until the lease ran out) or the reserved slots (as long as
+    the client stayed connected). The connection is discarded now: the server gives them back."""
+    make_server("--capacity", "64MiB", "--unix", unix_path)
+    keys = [key(i, "cancel") for i in range(4)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    async with AsyncKVClient(unix(unix_path), namespace="c", pool_size=1) as kv, \
+            AsyncKVClient(unix(unix_path), namespace="c", shm=False) as probe:
+        await kv.put(keys, blocks)
+        (conn,) = kv.nodes[0].conns
+        send = conn._send
+
+        def send_then_cancel(*args, **kwargs):  # type: ignore[no-untyped-def]
+            pending = send(*args, **kwargs)
+            pending.future.add_done_callback(lambda _: task.cancel())  # as the reply is set
+            return pending
+
+        conn._send = send_then_cancel  # type: ignore[method-assign]
+        task = asyncio.ensure_future(kv.get(keys) if op == "get" else kv.put([key(i, "new") for i in range(4)], blocks))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def given_back() -> bool:
+            st = await probe.stats()
+            return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
+
+        await eventually(given_back, 5, "the cancelled call's handle to be given back")
+        assert conn.closed
+        assert [bytes(b) for b in await kv.get(keys)] == blocks  # a new connection serves the next call
 
 
 async def test_a_drain_ends_when_the_only_pins_it_waits_for_expire(make_server: MakeServer, unix_path: str) -> None:
