@@ -138,6 +138,8 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         t.scatter(payloads, [2.7, 3.9])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="integers"):
         t.gather([0.5, 1.5])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="integers"):  # (taken as blocks 1 and 0)
+        t.gather([True, False])
     assert t.gather(np.array([0, 1]))[0].numel() == t.payload_size  # numpy integers are integers
     with pytest.raises(ValueError):
         PagedKVTransfer(caches, 2, block_dim=4)

@@ -181,9 +181,10 @@ class KVStoreTarget(Target):
         keys = make_keys(f"cell:{size}:{batch}", batch)
         blocks = make_blocks(size, batch)
         await kv.put(keys, blocks)
-        # Leased for the run: the put op stores fresh keys and may cycle the whole capacity within one
-        # measurement (faster transports run more rounds); eviction must not take the blocks gets read.
-        await kv.lookup(keys, pin=True, lease_ms=30 * 60_000)
+        # Leased for the cell (a few seconds; 10 min is the most a server grants by default): the put op
+        # stores fresh keys and may cycle the whole capacity within one measurement (faster transports
+        # run more rounds); eviction must not take the blocks gets read.
+        await kv.lookup(keys, pin=True, lease_ms=10 * 60_000)
         dst = [bytearray(b"\x01") * size for _ in range(batch)]  # the caller's buffers, touched once
 
         async def put(i: int) -> None:

@@ -198,7 +198,9 @@ class PagedKVTransfer:
                     raw.index_copy_(self.block_dim, block_ids, part)
 
     def _ids(self, gpu_block_ids: Sequence[int]) -> torch.Tensor:
-        try:  # (torch.tensor would truncate a float id to another block)
+        try:  # (torch.tensor would truncate a float id to another block; a bool is no block id either)
+            if any(isinstance(b, bool) for b in gpu_block_ids):
+                raise TypeError
             ids = torch.tensor([operator.index(b) for b in gpu_block_ids], dtype=torch.long)
         except TypeError:
             raise ValueError(f"GPU block ids must be integers, got {list(gpu_block_ids)!r}") from None
