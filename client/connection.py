@@ -47,6 +47,7 @@ class _Pending:
     sink: PayloadSink | None = None
     rid: int = 0
     dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
+    orphan: Callable[[dict[str, Any]], None] | None = None  # gives back what a dropped reply hands over
 
 
 @dataclass
@@ -195,6 +196,8 @@ class ClientConnection(asyncio.BufferedProtocol):
 
     def _on_done(self, rid: int) -> None:
         p = self.pending.pop(rid)
+        if p.dropped and p.orphan is not None and p.fields is not None:
+            p.orphan(p.fields)
         if not p.future.done():
             p.future.set_result(Response(p.fields or {}, p.sink))
 
@@ -212,7 +215,7 @@ class ClientConnection(asyncio.BufferedProtocol):
 
     async def request(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                       make_sink: SinkFactory | None = None, timeout: float | None = None,
-                      droppable: bool = True) -> Response:
+                      orphan: Callable[[dict[str, Any]], None] | None = None) -> Response:
         """Send one request and wait for its reply.
 
         ``timeout`` (seconds) raises :class:`RequestTimeout` and discards the
@@ -222,9 +225,9 @@ class ClientConnection(asyncio.BufferedProtocol):
 
         A cancelled caller leaves the connection to the others once its payload
         is all handed over: its reply, or the rest of it, is then read and
-        dropped (no byte more lands in the caller's buffers). ``droppable=False``:
-        a reply that hands the connection server-side state (an shm handle, which
-        only the connection's end gives back) -- its cancel ends the connection.
+        dropped (no byte more lands in the caller's buffers). ``orphan``: for a reply
+        that hands over server-side state (an shm handle), called with the fields of
+        a successful reply nobody takes, to give that state back.
         """
         p = self._send(msg, payload, payload_len, make_sink)
         fut = p.future
@@ -238,19 +241,18 @@ class ClientConnection(asyncio.BufferedProtocol):
             # The caller gave up: its buffers may still be referenced by the transport or about
             # to receive bytes. Unless neither can be, drop the connection.
             if fut.done() and not fut.cancelled():  # (answered, or failed, as the cancel came)
-                if fut.exception() is None and not droppable:
-                    self.abort(TransportError("request cancelled as its reply came; connection discarded"))
+                if orphan is not None and fut.exception() is None:
+                    orphan(fut.result().fields)
                 _drop_outcome(fut)
             elif self.pending.get(p.rid) is not p:
-                # Its reply came whole between the cancel and now (the caller had not resumed yet). One
-                # that handed the connection state (an shm handle) leaves it to nobody: the connection's
-                # end gives it back.
-                if not droppable:
-                    self.abort(TransportError("request cancelled as its reply came; connection discarded"))
-            elif droppable and not self.closed and self._handed_over(payload, end):
+                # Its reply came whole between the cancel and now (the caller had not resumed yet).
+                if orphan is not None and p.fields is not None:
+                    orphan(p.fields)
+            elif not self.closed and self._handed_over(payload, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)
                 p.dropped, p.make_sink, p.sink = True, None, None  # (nothing of the caller's is kept)
+                p.orphan = orphan  # (once its reply is in)
                 fut.cancel()
                 if timer is not None:  # its deadline still ends the connection if the reply never comes
                     fut.get_loop().call_at(timer.when(), self._dropped_timed_out, p.rid, timeout)

@@ -330,9 +330,13 @@ class ShmChannel:
         return self.node.client
 
     async def _request(self, conn: ClientConnection, msg: Message, make_sink: Any = None) -> Response:
+        def give_back(fields: dict[str, Any]) -> None:  # a reply whose caller was cancelled as it came
+            handle = fields.get("handle")
+            if type(handle) is int and handle:  # an SHM_GET's pins, an SHM_PUT's reserved slots
+                conn.post(ShmRelease(handle=handle), timeout=self.client.timeout)
+
         try:
-            # (not droppable: an SHM_GET's pins and an SHM_PUT's slots go back when the connection ends)
-            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout, droppable=False)
+            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout, orphan=give_back)
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 

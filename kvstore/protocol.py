@@ -24,6 +24,7 @@ here, so a caller imports everything about the wire from one place.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -416,6 +417,9 @@ def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
     return views
 
 
+_FIELD_NAMES = re.compile(r":[^:]*:")
+
+
 def flat_bytes(mv: memoryview) -> memoryview:
     """A C-contiguous view as one flat run of bytes (the same memory); an empty one of any shape
     (``np.zeros((0, 4))``, which ``cast`` refuses) as an empty view. A buffer of Python objects
@@ -423,7 +427,7 @@ def flat_bytes(mv: memoryview) -> memoryview:
     into, it crashes the process."""
     if mv.format == "B" and mv.ndim == 1:
         return mv
-    if "O" in mv.format:
+    if "O" in _FIELD_NAMES.sub("", mv.format):  # (a structured format names its fields: "T{I:Offset:}")
         raise InvalidRequest("a block must hold plain data, not Python objects (a numpy array of dtype=object; "
                              "a list of tensors made into one array?)")
     return mv.cast("B") if mv.nbytes else memoryview(bytearray())

@@ -140,7 +140,10 @@ def test_compose_references_existing_files_and_consistent_names() -> None:
     build = services["kvstore"]["build"]
     context = (DEPLOY / build["context"]).resolve()
     assert context == ROOT and (context / build["dockerfile"]).is_file()
-    config_from_args(services["kvstore"]["command"])
+    image_env, cmd = image_env_and_cmd()
+    config = check_env({**image_env, **services["kvstore"]["environment"]}, "compose",
+                       services["kvstore"].get("command", cmd))
+    assert (config.capacity, config.redis_mode) == (2 << 30, "write-behind")  # what its comments promise
     for svc in services.values():
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]
@@ -148,7 +151,7 @@ def test_compose_references_existing_files_and_consistent_names() -> None:
                 assert (DEPLOY / src).is_file(), f"compose mounts {src}, which does not exist"
             else:
                 assert src in compose.get("volumes", {}), f"named volume {src} is not declared"
-    assert "redis://redis:6379" in " ".join(services["kvstore"]["command"])
+    assert config.redis == "redis://redis:6379/0"  # the compose service of redis
     (prom,) = docs(DEPLOY / "prometheus" / "prometheus.yml")
     (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "kvstore"]
     host, port = job["static_configs"][0]["targets"][0].split(":")

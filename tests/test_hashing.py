@@ -126,9 +126,11 @@ def test_algorithms() -> None:
     assert set(ALGORITHMS) == {"sha256", "xxh3_128"}
     with pytest.raises(ValueError, match="unknown hash algorithm"):
         BlockHasher(16, algo="md5")
-    for bad in (0, 2.5, "4", None):  # (2.5 failed at the first key, "4" with a bare TypeError)
+    for bad in (0, 2.5, "4", None, True):  # (2.5 failed at the first key, "4" with a bare TypeError)
         with pytest.raises(ValueError, match="integer >= 1"):
             BlockHasher(bad)  # type: ignore[arg-type]
+    np = pytest.importorskip("numpy")
+    assert BlockHasher(np.int64(16)).keys(TOKENS) == sha  # (numpy integers are integers)
 
 
 @settings(max_examples=40, deadline=None)

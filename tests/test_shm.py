@@ -223,7 +223,9 @@ async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behin
     """A cancel that lands in the loop turn the SHM_GET / SHM_PUT reply arrives in (a wait_for timing
     out, another task's cancel): the reply was dropped with its handle, the pooled connection kept,
     and the server held the read pins (until the lease ran out) or the reserved slots (as long as
-    the client stayed connected). The connection is discarded now: the server gives them back."""
+    the client stayed connected). The handle is given back now, and the connection stays with the
+    requests pipelined on it (ending it instead failed a pinned lookup in flight there, its leases
+    left to expire)."""
     make_server("--capacity", "64MiB", "--unix", unix_path)
     keys = [key(i, "cancel") for i in range(4)]
     blocks = [data(k, 1 << 20) for k in keys]
@@ -240,16 +242,49 @@ async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behin
 
         conn._send = send_then_cancel  # type: ignore[method-assign]
         task = asyncio.ensure_future(kv.get(keys) if op == "get" else kv.put([key(i, "new") for i in range(4)], blocks))
+        await asyncio.sleep(0)  # (its request is out)
+        conn._send = send  # type: ignore[method-assign]
+        lookup = asyncio.ensure_future(kv.lookup(keys, pin=True))  # pipelined behind it, on the same connection
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert await lookup == 4
+        assert await kv.unpin(keys) == 4
 
         async def given_back() -> bool:
             st = await probe.stats()
             return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
 
         await eventually(given_back, 5, "the cancelled call's handle to be given back")
-        assert conn.closed
-        assert [bytes(b) for b in await kv.get(keys)] == blocks  # a new connection serves the next call
+        assert kv.nodes[0].conns == [conn] and not conn.closed
+        assert [bytes(b) for b in await kv.get(keys)] == blocks
+
+
+async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(make_server: MakeServer, unix_path: str) -> None:
+    """Cancelled before, as or after their replies come: the handles of the replies nobody takes go
+    back (a release is sent), the connection stays, and nothing stays pinned or reserved."""
+    make_server("--capacity", "64MiB", "--unix", unix_path)
+    keys = [key(i, "rnd") for i in range(8)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    rng = random.Random(7)
+    async with AsyncKVClient(unix(unix_path), namespace="r", pool_size=1) as kv, \
+            AsyncKVClient(unix(unix_path), namespace="r", shm=False) as probe:
+        await kv.put(keys, blocks)
+        (conn,) = kv.nodes[0].conns
+        cancelled = 0
+        for i in range(60):
+            call = kv.get(keys) if i % 2 else kv.put([key(i * 8 + j, "rnd-new") for j in range(8)], blocks)
+            try:
+                await asyncio.wait_for(call, rng.uniform(0, 0.004))
+            except asyncio.TimeoutError:
+                cancelled += 1
+
+        async def given_back() -> bool:
+            st = await probe.stats()
+            return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
+
+        await eventually(given_back, 5, "every cancelled call's handle to be given back")
+        assert cancelled > 10 and kv.nodes[0].conns == [conn] and not conn.closed
+        assert [bytes(b) for b in await kv.get(keys)] == blocks
 
 
 async def test_a_drain_ends_when_the_only_pins_it_waits_for_expire(make_server: MakeServer, unix_path: str) -> None:

@@ -35,7 +35,8 @@ from functools import partial
 from typing import Sequence
 
 from kvstore.client.shm import copy_runs
-from kvstore.client.workers import run_parallel
+from kvstore.client.workers import check_setting, run_parallel
+from kvstore.errors import InvalidRequest
 
 from .common import parse_sizes
 
@@ -150,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="--compare: processes per setting, taking turns")
     p.add_argument("--json", action="store_true", help="print the medians as JSON")
     args = p.parse_args(argv)
+    try:
+        check_setting()  # (the "client" rows run on the client's threads)
+    except InvalidRequest as exc:
+        p.error(str(exc))
     sizes = parse_sizes(args.sizes)
     if args.arena_mib << 20 < max(sizes) * args.batch:
         p.error("--arena-mib must hold one batch of the largest size")

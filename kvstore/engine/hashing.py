@@ -106,8 +106,13 @@ class BlockHasher:
     """
 
     def __init__(self, block_size: int, *, algo: str = "sha256", seed: object = b"") -> None:
-        if type(block_size) is not int or block_size < 1:  # (2.5 failed at the first key; "4" a TypeError)
+        try:  # (2.5 failed at the first key, "4" with a TypeError; numpy integers are integers)
+            size = operator.index(block_size) if not isinstance(block_size, bool) else 0
+        except TypeError:
+            size = 0
+        if size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        block_size = size
         try:
             self._digest, self.key_size = ALGORITHMS[algo]
         except KeyError:
