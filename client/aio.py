@@ -34,11 +34,10 @@ from kvstore.protocol import (
     flat_bytes, iter_payload,
 )
 
-from . import replies
+from . import replies, workers
 from .connection import ClientConnection, Response, open_connection
 from .shm import GetOutcome, ShmChannel, ShmGone, open_channel
 from .sharding import Ring
-from . import workers
 from .workers import run_parallel
 
 T = TypeVar("T")
@@ -924,7 +923,8 @@ def _refuse_overlaps(views: Sequence[memoryview]) -> None:
     over connections): the buffer would hold neither, each checksum passing on its own bytes."""
     if len(views) < 2:
         return
-    spans = sorted((ctypes.addressof(ctypes.c_char.from_buffer(v)), v.nbytes, i) for i, v in enumerate(views) if v.nbytes)
+    spans = sorted((ctypes.addressof(ctypes.c_char.from_buffer(v)), v.nbytes, i)
+                   for i, v in enumerate(views) if v.nbytes)
     for (start, size, i), (nxt, _, j) in zip(spans, spans[1:]):
         if start + size > nxt:
             raise InvalidRequest(f"buffers {min(i, j)} and {max(i, j)} share memory: each block needs its own")

@@ -36,6 +36,8 @@ def check_setting() -> None:
     """Raise :class:`InvalidRequest` for an unusable ``KVSTORE_CLIENT_THREADS`` (every client made checks)."""
     if _SETTING_ERROR is not None:
         raise InvalidRequest(_SETTING_ERROR)
+
+
 #: Batches smaller than this run inline: a thread hand-off would cost more than it saves.
 PARALLEL_MIN = 2 << 20
 #: Nor do batches of small jobs go to the helpers: each job's Python runs under the GIL, so

@@ -259,7 +259,8 @@ async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behin
         assert [bytes(b) for b in await kv.get(keys)] == blocks
 
 
-async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(make_server: MakeServer, unix_path: str) -> None:
+async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(
+        make_server: MakeServer, unix_path: str) -> None:
     """Cancelled before, as or after their replies come: the handles of the replies nobody takes go
     back (a release is sent), the connection stays, and nothing stays pinned or reserved."""
     make_server("--capacity", "64MiB", "--unix", unix_path)

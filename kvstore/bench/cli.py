@@ -283,7 +283,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [kv] if kv is not None else []
         if "concurrency" not in skip and kv is not None:
             conc_size = parse_sizes(args.conc_size)[0]
-            workloads = [(w.split(":")[0].strip(), int(w.split(":")[1]) if ":" in w else 1) for w in args.conc.split(",")]
+            workloads = [(w.split(":")[0].strip(), int(w.split(":")[1]) if ":" in w else 1)
+                         for w in args.conc.split(",")]
             conc_trials = min(trials, 5)
             _say(f"# concurrency: clients {args.clients}, {fmt_size(conc_size)} blocks, {workloads}, "
                  f"{conc_seconds}s per point, {conc_trials} trials")
