@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from kvstore.bench.common import make_keys
@@ -225,7 +226,6 @@ def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict
 
 
 async def test_keys_of_any_iterable_empty_buffers_of_any_shape_and_a_misfit_named_by_its_key() -> None:
-    np = pytest.importorskip("numpy")
     with ServerProcess("--capacity", "16MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=2, split_bytes=1 << 20) as kv:
             empty, keys = make_keys("empty", 1), make_keys("shapes", 4)
@@ -281,7 +281,6 @@ async def test_get_into_buffers_that_share_memory_are_refused_before_anything_is
         make_server: Callable[..., ServerProcess], unix_path: str, transport: str) -> None:
     """One buffer for two keys: a large read is split over connections, both halves landed in it at
     once and the call returned [True, True] for bytes of neither block."""
-    np = pytest.importorskip("numpy")
     srv = make_server("--capacity", "128MiB", "--unix", unix_path)
     addr = f"unix:{unix_path}" if transport == "shm" else srv.addr
     async with AsyncKVClient(addr, namespace="t", shm=transport == "shm") as kv:
@@ -306,7 +305,6 @@ async def test_get_into_buffers_that_share_memory_are_refused_before_anything_is
 async def test_buffers_of_python_objects_are_refused_for_put_and_get_into() -> None:
     """A numpy array of dtype=object exports pointers: put stored them, get_into wrote block bytes
     over them and the process crashed when it read the array."""
-    np = pytest.importorskip("numpy")
     with ServerProcess("--capacity", "16MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=1) as kv:
             k = make_keys("objects", 1)

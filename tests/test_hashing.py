@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -129,7 +130,6 @@ def test_algorithms() -> None:
     for bad in (0, 2.5, "4", None, True):  # (2.5 failed at the first key, "4" with a bare TypeError)
         with pytest.raises(ValueError, match="integer >= 1"):
             BlockHasher(bad)  # type: ignore[arg-type]
-    np = pytest.importorskip("numpy")
     assert BlockHasher(np.int64(16)).keys(TOKENS) == sha  # (numpy integers are integers)
 
 
