@@ -217,6 +217,15 @@ async def test_read_pins_time_out_and_the_copy_is_refused(make_server: MakeServe
         assert [bytes(b) for b in await kv.get([k])] == [data(k, 5000)]  # a normal read is unaffected
 
 
+async def nothing_held(probe: AsyncKVClient, what: str) -> None:
+    """Wait (5 s at most) until the server holds no shm handle, pinned block or reserved byte."""
+    async def clear() -> bool:
+        st = await probe.stats()
+        return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
+
+    await eventually(clear, 5, what)
+
+
 @pytest.mark.parametrize("op", ["get", "put"])
 async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behind(
         make_server: MakeServer, unix_path: str, op: str) -> None:
@@ -250,11 +259,7 @@ async def test_an_shm_call_cancelled_as_its_reply_arrives_leaves_no_handle_behin
         assert await lookup == 4
         assert await kv.unpin(keys) == 4
 
-        async def given_back() -> bool:
-            st = await probe.stats()
-            return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
-
-        await eventually(given_back, 5, "the cancelled call's handle to be given back")
+        await nothing_held(probe, "the cancelled call's handle to be given back")
         assert kv.nodes[0].conns == [conn] and not conn.closed
         assert [bytes(b) for b in await kv.get(keys)] == blocks
 
@@ -279,11 +284,7 @@ async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(
             except asyncio.TimeoutError:
                 cancelled += 1
 
-        async def given_back() -> bool:
-            st = await probe.stats()
-            return (st["shm"]["open_handles"], st["store"]["pinned_blocks"], st["store"]["reserved_bytes"]) == (0, 0, 0)
-
-        await eventually(given_back, 5, "every cancelled call's handle to be given back")
+        await nothing_held(probe, "every cancelled call's handle to be given back")
         assert cancelled > 10 and kv.nodes[0].conns == [conn] and not conn.closed
         assert [bytes(b) for b in await kv.get(keys)] == blocks
 
