@@ -64,8 +64,9 @@ async def test_slowloris_and_idle_connections_are_dropped_while_others_work(make
         while not dropped.done():  # the good client keeps working meanwhile
             await kv.put([key(int(time.monotonic() * 1000), "g")], [b"ok" * 100])
             await asyncio.sleep(0.1)
-        assert 0.9 < await dropped < 2.5  # --frame-timeout 1, checked every 0.25 s
-        assert 1.8 < await idle < 3.5  # --idle-timeout 2, checked every 0.25 s
+        # not before their timeouts (--frame-timeout 1, --idle-timeout 2); closed_within bounds the wait
+        assert await dropped > 0.9
+        assert await idle > 1.8
         trickler.cancel()
         for w in (w1, w2):
             w.close()

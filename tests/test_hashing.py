@@ -196,3 +196,14 @@ def test_namespace_is_readable_and_fingerprints_every_field() -> None:
     seen.add(namespace_for(**base, revision="abc"))
     assert len(seen) == len(variants) + 4
     assert all(len(s) <= 80 for s in seen)
+
+
+def test_a_dtype_and_its_alias_share_a_namespace() -> None:
+    # torch.half is torch.float16: an engine naming it "half" must find the blocks of one passing the dtype
+    import torch  # the test environment has it (scripts/test.sh)
+    args = ("org/Model", "NHD", 0, 16)
+    for alias, dtype in (("half", torch.float16), ("float", torch.float32), ("double", torch.float64)):
+        ns = namespace_for(args[0], dtype, *args[1:])
+        assert namespace_for(args[0], alias, *args[1:]) == ns
+        assert namespace_for(args[0], f"torch.{alias}", *args[1:]) == ns
+    assert namespace_for(args[0], "half", *args[1:]).split("/")[1] == "fp16"

@@ -216,9 +216,7 @@ def _token(token: object) -> int:
 _DTYPE_SHORT = {
     "bfloat16": "bf16",
     "float16": "fp16",
-    "half": "fp16",
     "float32": "fp32",
-    "float": "fp32",
     "float64": "fp64",
     "float8_e4m3fn": "fp8e4m3",
     "float8_e4m3fnuz": "fp8e4m3fnuz",
@@ -227,6 +225,8 @@ _DTYPE_SHORT = {
     "int8": "int8",
     "uint8": "uint8",
 }
+# torch's other names for the same dtypes (``torch.half is torch.float16``): one namespace for both.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
 
 
 def _short_model(model: str) -> str:
@@ -264,6 +264,7 @@ def namespace_for(
         extra: further fields that change the payload; values as :func:`canonical_bytes`.
     """
     dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = _DTYPE_ALIASES.get(dtype_name, dtype_name)
     dtype_short = _DTYPE_SHORT.get(dtype_name, re.sub(r"[^a-z0-9]+", "", dtype_name.lower()))
     fields = (_NAMESPACE_TAG, model, dtype_name, kv_layout, tp_rank, tp_size, block_size, algo, extra)
     fingerprint = hashlib.sha256(canonical_bytes(fields)).hexdigest()[:8]
