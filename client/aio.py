@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError,
+    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError,
     TooLarge, TransportError, from_code,
 )
 from kvstore.keys import check_keys
@@ -765,7 +765,8 @@ class AsyncKVClient:
                 if node in unready:
                     raise unready[node]
                 if node.shm is not None:  # same host: copied out of the arena, verified on the way
-                    with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                    # (restarted without shm, or its shared-memory read pins at their limit: the socket carries it)
+                    with contextlib.suppress(ShmGone, CapacityError):
                         return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
                 share = _pick(keys, idx)
                 resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin,

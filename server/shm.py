@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 #: Mode of the Unix socket file: owner and group may connect, nobody else.
 SOCKET_MODE = 0o660
 
+#: Block pins SHM_GET handles may hold at once, per page of the arena, and at least. Each costs
+#: ~150 bytes until released, so without a bound a client that never releases (or lets its
+#: handles run to --lease-seconds) grows the server's memory with its request rate.
+PINS_PER_PAGE = 8
+MIN_PINS = 1 << 16
+
 Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
 
 
@@ -104,6 +110,7 @@ class ShmSession:
     grants: dict[int, _GetGrant | _PutGrant] = field(default_factory=dict)
     next_handle: int = 1
     closed: bool = False
+    attached: bool = False  # the arena's descriptor went out on this connection
 
     def add(self, grant: _GetGrant | _PutGrant) -> int:
         handle = self.next_handle
@@ -151,6 +158,8 @@ class ShmService:
         # (a restarted server has a new arena; a path on another host is another server).
         self.instance = os.urandom(8).hex()
         self.sessions: set[ShmSession] = set()
+        self.pins = 0  # block pins SHM_GETs hold (granted, or waiting for the tier)
+        self.max_pins = max(MIN_PINS, PINS_PER_PAGE * self.store.arena.num_pages)
         self.counters = {"attached": 0, "refused": 0, "gets": 0, "puts": 0, "commits": 0, "expired": 0,
                          "aborted_on_close": 0, "inline_blocks": 0}
 
@@ -202,12 +211,21 @@ class ShmService:
             raise InvalidRequest("SHM_ATTACH is answered only on the Unix socket (--unix)")
         if not session.greeted:  # (on a server without tokens, too: the arena goes to a client that said who it is)
             raise InvalidRequest("SHM_ATTACH needs a successful HELLO on this connection first")
-        self._session(session)
+        st = self._session(session)
+        if st.attached:
+            # Until a peer reads it, each reply's descriptor counts against the server user's
+            # open-file limit: a peer asking again and again without reading would have the
+            # kernel refuse every other client's attach.
+            raise InvalidRequest("SHM_ATTACH is answered once per connection (its reply carries the arena)")
         assert self.fd is not None
         arena = self.store.arena
         frame = reply(ShmAttach.OP, request_id, size=arena.capacity, page_size=arena.page_size,
                       instance=self.instance)
-        send_with_fd(transport, b"".join(frame), self.fd)
+        if not send_with_fd(transport, b"".join(frame), self.fd):
+            log.debug("%s hung up before its SHM_ATTACH reply", session.peer)
+            transport.abort()
+            return
+        st.attached = True
         self.counters["attached"] += 1
         log.info("shared arena mapped by %s", session.peer, extra={"event": "shm_attach", "peer": session.peer})
 
@@ -216,7 +234,11 @@ class ShmService:
         """Pin and locate the present blocks; a tier's blocks are promoted first (or sent inline)."""
         st = self._session(session)
         ns = session.namespace
+        if self.pins + len(msg.keys) > self.max_pins:
+            raise CapacityError(f"shared-memory reads hold {self.pins} block pins; {len(msg.keys)} more would be "
+                                f"over the {self.max_pins} this server allows (read over the socket)")
         refs = self.store.acquire_many(ns, msg.keys)
+        self.pins += len(refs) - refs.count(None)
         self.counters["gets"] += 1
         missing = [i for i, r in enumerate(refs) if r is None]
         if self.tier is None or not missing:
@@ -244,6 +266,9 @@ class ShmService:
             fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
         except Unavailable:
             fetched = [None] * len(missing)
+        except BaseException:  # (cancelled: the pins go with it)
+            self._release_refs([r for r in refs if r is not None])
+            raise
         promote = self.service.may_promote(token)
         inline: dict[int, tuple[memoryview, int]] = {}
         for i, item in zip(missing, fetched):
@@ -274,7 +299,9 @@ class ShmService:
             self.store.put(ns, key, data, checksum, parent=parent)
         except (CapacityError, TooLarge):
             return None
-        return self.store.acquire(ns, key)
+        ref = self.store.acquire(ns, key)
+        self.pins += ref is not None
+        return ref
 
     def _grant(self, st: ShmSession, refs: list[BlockRef | None],
                inline: dict[int, tuple[memoryview, int]]) -> ShmGetResult:
@@ -375,6 +402,7 @@ class ShmService:
             grant.sink.abort()
 
     def _release_refs(self, refs: list[BlockRef]) -> None:
+        self.pins -= len(refs)
         for ref in refs:
             self.store.release(ref)
 
@@ -412,7 +440,7 @@ class ShmService:
 
     def stats(self) -> dict[str, Any]:
         return {"offered": self.offered, "path": self.path if self.offered else None,
-                "open_handles": sum(len(st.grants) for st in self.sessions), **self.counters}
+                "open_handles": sum(len(st.grants) for st in self.sessions), "pins": self.pins, **self.counters}
 
 
 # --------------------------------------------------------------------------- the socket side
@@ -433,8 +461,9 @@ def _is_loopback(peer: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None:
-    """Write ``data`` on the transport's socket with ``fd`` attached (SCM_RIGHTS).
+def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> bool:
+    """Write ``data`` on the transport's socket with ``fd`` attached (SCM_RIGHTS); False when
+    the peer has hung up.
 
     The transport itself cannot carry ancillary data, so this writes on a dup
     of its descriptor; with the transport's buffer empty nothing can be
@@ -442,7 +471,8 @@ def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None
     transport (the fd rode on the first byte).
 
     Raises:
-        Unavailable: unsent replies are still queued, or the socket is full.
+        Unavailable: unsent replies are still queued, the socket is full, or the kernel
+            refuses the descriptor now (too many in flight: ``ETOOMANYREFS``).
     """
     raw = transport.get_extra_info("socket")
     write_buffer = getattr(transport, "get_write_buffer_size", lambda: 0)()
@@ -453,10 +483,15 @@ def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> None
         sent = socket.send_fds(dup, [data], [fd])
     except (BlockingIOError, InterruptedError):
         raise Unavailable("socket buffer full: retry SHM_ATTACH") from None
+    except ConnectionError:
+        return False
+    except OSError as exc:
+        raise Unavailable(f"the arena's descriptor cannot be passed now ({exc.strerror or exc}): retry SHM_ATTACH") from None
     finally:
         dup.close()  # closes the dup only; the transport keeps its descriptor
     if sent < len(data):
         transport.write(data[sent:])  # type: ignore[attr-defined]
+    return True
 
 
 def unix_peer(sock: Any) -> str:

@@ -20,7 +20,7 @@ import pytest
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
 from kvstore.config import ServerConfig
-from kvstore.protocol import Hello, ShmAttach, ShmPut
+from kvstore.protocol import Frame, FrameReader, Hello, ShmAttach, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
 from kvstore.server.service import Session
 
@@ -446,6 +446,77 @@ async def test_shm_attach_needs_a_hello_first_without_tokens_too(make_server: Ma
     frames, fds = raw_exchange(unix_path, ShmAttach())
     assert fds == [] and error_code(frames[0]) == InvalidRequest.code  # no descriptor before HELLO
     assert_attach_maps(unix_path, 8 << 20)
+
+
+def test_the_arena_is_passed_once_per_connection(make_server: MakeServer, unix_path: str) -> None:
+    """An unread reply's descriptor counts against the server user's open-file limit: a peer asking
+    again and again without reading would have the kernel refuse every other client's attach."""
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach(), ShmAttach())
+    for fd in fds:
+        os.close(fd)
+    assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20
+    assert error_code(frames[2]) == InvalidRequest.code
+    assert_attach_maps(unix_path, 8 << 20)  # a fresh connection gets its own
+
+
+async def test_a_peer_gone_before_its_attach_reply_is_not_a_server_error(make_server: MakeServer, unix_path: str) -> None:
+    import socket as socket_mod
+
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    stream = b"".join(bytes(b) for i, m in enumerate([Hello(), ShmAttach()], 1) for b in encode(m, i))
+    for _ in range(20):
+        with socket_mod.socket(socket_mod.AF_UNIX) as s:
+            s.connect(unix_path)
+            s.sendall(stream)
+    async with AsyncKVClient(unix(unix_path)) as kv:
+        async def alone() -> bool:
+            return (await kv.stats())["connections"] <= 2  # the client's own and its attach's
+        await eventually(alone, 10, "the 20 peers' connections to close")
+        stats = await kv.stats()
+    assert "shm_attach" not in stats["errors"], stats["errors"]
+    assert not [line for line in srv.log if "internal error" in line]
+
+
+async def test_shm_read_pins_are_bounded_and_a_client_at_the_bound_reads_over_the_socket(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A peer that never releases its SHM_GET handles cannot grow the server's memory without end:
+    past the bound (64 Ki pins for a small arena) SHM_GET is refused, and clients read over the socket."""
+    import socket as socket_mod
+
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    k = key(1, "pins")
+    async with AsyncKVClient(unix(unix_path)) as kv:
+        assert kv.nodes[0].shm is not None
+        await kv.put([k], [data(k, 4096)])
+        hog = socket_mod.socket(socket_mod.AF_UNIX)
+        try:
+            hog.settimeout(10)
+            hog.connect(unix_path)
+            msgs = [Hello(), *[ShmGet(keys=[k] * 16384) for _ in range(5)]]
+            hog.sendall(b"".join(bytes(b) for i, m in enumerate(msgs, 1) for b in encode(m, i)))
+            reader, frames = FrameReader(is_server=False), []
+            while len(frames) < len(msgs):
+                chunk = hog.recv(1 << 20)
+                assert chunk
+                reader.feed(chunk)
+                while isinstance(event := reader.next_event(), Frame):
+                    frames.append(event)
+            assert all(reply_fields(f)["handle"] for f in frames[1:5])  # 4 x 16384 pins: at the bound
+            assert error_code(frames[5]) == CapacityError.code
+            assert (await kv.stats())["shm"]["pins"] == 4 * 16384
+            buf = bytearray(4096)
+            assert await kv.get_into([k], [buf]) == [True] and buf == data(k, 4096)  # over the socket
+            assert (await kv.stats())["errors"]["shm_get"] == 2  # the hog's fifth and the client's, refused
+        finally:
+            hog.close()
+
+        async def released() -> bool:
+            return (await kv.stats())["shm"]["pins"] == 0
+        await eventually(released, 10, "the hog's pins to go with its connection")
+        shm_gets = (await kv.stats())["shm"]["gets"]
+        assert await kv.get_into([k], [buf]) == [True] and buf == data(k, 4096)
+        assert (await kv.stats())["shm"]["gets"] == shm_gets + 1  # the arena again
 
 
 async def test_no_connect_timeout_still_maps_the_arena(make_server: MakeServer, unix_path: str) -> None:
