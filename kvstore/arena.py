@@ -39,6 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 from bisect import bisect_left, insort
+import weakref
 
 #: The pages of one block: ``(first_page, n_pages)`` runs, never adjacent to
 #: one another (free runs are coalesced, so two pieces never touch).
@@ -112,12 +113,13 @@ class Arena:
         self.num_pages: int = max(1, capacity // page_size)
         self.capacity: int = self.num_pages * page_size
         self.free_pages: int = self.num_pages
-        #: The memfd behind a ``shared`` arena (None otherwise); lives as long as the process.
+        #: The memfd behind a ``shared`` arena (None otherwise); closed with the arena's last reference.
         self.fd: int | None = None
         if shared:
             if not hasattr(os, "memfd_create"):
                 raise OSError("a shared arena needs memfd_create (Linux)")
             self.fd = _shared_memfd(self.capacity)
+            weakref.finalize(self, os.close, self.fd)
             self._region = _map_shared(self.fd, self.capacity, prefault)
         else:
             self._region = _map_region(self.capacity, prefault)

@@ -42,7 +42,7 @@ import math
 import time
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, TypedDict
 
 from .arena import Arena, Extent
@@ -134,6 +134,7 @@ class _Block:
 
 # Field getters for the C loops over a batch's blocks.
 _PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter("stranded")
+_SECOND = itemgetter(1)
 
 _LEASE_HEAP_MIN = 4096  # keys named by lease deadlines before the first sweep of stale ones
 
@@ -227,13 +228,15 @@ class BlockStore:
         memory with its request rate.
 
         Raises:
-            ValueError: unknown ``eviction``, non-positive sizes or ``lease_s``.
+            ValueError: unknown ``eviction``, non-positive sizes or ``lease_s``, a bad ``max_block_size``
+                or ``max_leases``.
         """
         self._policy: EvictionPolicy[BlockKey] = make_policy(eviction)
         if not (isinstance(lease_s, (int, float)) and math.isfinite(lease_s) and lease_s > 0):
             raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
-        if max_block_size is not None and max_block_size < 0:
-            raise ValueError(f"max_block_size must be >= 0, got {max_block_size}")
+        for name, limit in (("max_block_size", max_block_size), ("max_leases", max_leases)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ValueError(f"{name} must be an int >= 0, got {limit!r}")
         self._arena = Arena(capacity, page_size, prefault=prefault, shared=shared_arena)
         self._max_block = self._arena.capacity if max_block_size is None else min(max_block_size, self._arena.capacity)
         self._lease_s = float(lease_s)
@@ -349,7 +352,12 @@ class BlockStore:
         return True
 
     def abort(self, res: Reservation) -> None:
-        """Free a reservation whose payload never arrived (no-op once closed)."""
+        """Free a reservation whose payload never arrived (no-op once closed).
+
+        Raises:
+            InvalidRequest: not a reservation of this store.
+        """
+        self._check_own(res)
         if res._open:
             self._close(res)
             self._arena.free(res._extent)
@@ -406,8 +414,8 @@ class BlockStore:
         events["lookup_miss_keys"] += len(keys) - len(found)
         if found:
             self._policy.touch(list(map(_PKEY, found)), self._parent_hint(ns_blocks, found[0]))
-            if pin:
-                self._add_leases(ns, list(keys[:len(found)]), found, deadline)
+            if pin:  # (filed under the blocks' own keys: a caller's key may be any object equal to them)
+                self._add_leases(ns, list(map(_SECOND, map(_PKEY, found))), found, deadline)
         return len(found)
 
     @staticmethod
@@ -477,7 +485,7 @@ class BlockStore:
             block.refs += 1
             if not block.stranded:
                 touched.append(block)
-            refs.append(BlockRef(ns, key, block, self._arena))
+            refs.append(BlockRef(ns, block.pkey[1], block, self._arena))
         if touched:
             self._policy.touch(list(map(_PKEY, touched)), self._parent_hint(ns_blocks, touched[0]))
         return refs
@@ -495,8 +503,12 @@ class BlockStore:
 
         Raises:
             ValueError: a reference was already released (those before it are released).
+            InvalidRequest: not a reference of this store (those before it are released).
         """
+        arena = self._arena
         for ref in refs:
+            if type(ref) is not BlockRef or ref._arena is not arena:
+                raise InvalidRequest(f"{ref!r} is not a reference of this store")
             if not ref._open:
                 raise ValueError(f"{ref!r} was already released")
             ref._open = False
@@ -649,7 +661,12 @@ class BlockStore:
             raise InvalidRequest(f"lease_s must be a positive number of seconds, got {lease_s!r}")
         return self._clock() + lease_s
 
+    def _check_own(self, res: Reservation) -> None:
+        if type(res) is not Reservation or res._arena is not self._arena:
+            raise InvalidRequest(f"{res!r} is not a reservation of this store")
+
     def _close(self, res: Reservation) -> None:
+        self._check_own(res)
         if not res._open:
             raise ValueError(f"{res!r} was already committed or aborted")
         res._open = False

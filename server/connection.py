@@ -4,9 +4,9 @@ Bytes arrive through ``BufferedProtocol`` so a PUT's payload is received by
 ``recv_into`` straight into store reservations. Replies go out with
 ``writelines`` (header + meta, then the blocks' memory, uncopied); blocks stay
 pinned until the transport has handed them to the kernel. Back-pressure: a
-connection whose unsent replies pass ``max_pending_out`` stops being read until
-they drain, so a client that writes fast and reads slowly cannot balloon the
-server's memory.
+connection whose unsent replies pass ``max_pending_out`` bytes (or
+``MAX_QUEUED_BUFFERS`` buffers and pins) stops being read until they drain, so a
+client that writes fast and reads slowly cannot balloon the server's memory.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from .shm import unix_peer
 
 log = logging.getLogger(__name__)
 
+#: Buffers and block pins a connection's unsent replies may hold before it stops being read, as
+#: ``max_pending_out`` bounds their bytes: a GET of many small (or repeated) blocks queues one
+#: buffer and one pin per key in a few bytes, and uvloop fails a transport holding ~2**20 buffers.
+MAX_QUEUED_BUFFERS = 1 << 16
+
 _OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists",
              Delete: "delete", Unpin: "unpin", Stats: "stats", Flush: "flush",
              ShmAttach: "shm_attach", ShmGet: "shm_get", ShmPut: "shm_put", ShmCommit: "shm_commit",
@@ -64,6 +69,7 @@ class Connection(asyncio.BufferedProtocol):
         self.unsent: deque[tuple[int, list[BlockRef]]] = deque()
         self.written = 0  # bytes handed to the transport
         self.output_pending = False
+        self.queued = 0  # buffers and pins written since the transport last drained (MAX_QUEUED_BUFFERS)
         self.reading_paused = False
         self.closing = False
         self.draining = False
@@ -131,6 +137,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.output_pending = False
+        self.queued = 0
         self.release_sent(everything=True)
         if self.reading_paused:
             self.reading_paused = False
@@ -260,8 +267,10 @@ class Connection(asyncio.BufferedProtocol):
             self.unsent.append((self.written, refs))  # the transport still references the blocks
         if self.unsent:
             self.release_sent()
-        if self.output_pending and transport.get_write_buffer_size() > self.service.config.max_pending_out:
-            self._pause_reading()  # pause_writing() fired once, at the first unsent byte: re-check on every reply
+        if self.output_pending:  # pause_writing() fired once, at the first unsent byte: re-check on every reply
+            self.queued += len(buffers) + (len(refs) if refs else 0)
+            if self.queued > MAX_QUEUED_BUFFERS or transport.get_write_buffer_size() > self.service.config.max_pending_out:
+                self._pause_reading()
 
     def _send_error(self, rid: int, name: str, exc: BaseException, t0: float = 0.0) -> None:
         code, message = error_fields(exc)

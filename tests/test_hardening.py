@@ -162,6 +162,38 @@ async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_se
     assert limited <= 8  # the server stops reading, and stops parsing what it already read
 
 
+async def test_gets_of_many_small_blocks_stop_being_read_by_their_count_not_only_their_bytes(make_server) -> None:
+    """A GET of 16384 copies of a 1-byte block asks ~50 KB and queues a pin and a buffer per key
+    (~6 MiB of server memory): 60 of them stay far under --max-pending-out's 64 MiB, so only the
+    count of queued buffers and pins stops a client that does not read (uvloop fails a transport
+    at ~2**20 buffers)."""
+    from kvstore.protocol import Frame, FrameReader, Reply
+
+    srv = make_server("--capacity", "16MiB", "--page-size", "4KiB")
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put([b"tiny"], [b"t"])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.connect(("127.0.0.1", srv.port))
+        with sock:
+            sock.sendall(b"".join(bytes(b) for i in range(1, 61) for b in encode(Get(keys=[b"tiny"] * 16384), i)))
+            answered = -1
+            while answered != (answered := (await kv.stats())["requests"].get("get", 0)):
+                await asyncio.sleep(0.5)  # until the server stops answering (it is not read)
+            assert answered < 40, answered  # paused by the count; it used to answer all 60
+            sock.settimeout(10)
+            reader, replies = FrameReader(is_server=False), []
+            while len(replies) < 60:  # read now: every reply comes, whole
+                chunk = sock.recv(1 << 20)
+                assert chunk, f"connection closed after {len(replies)} replies"
+                reader.feed(chunk)
+                while isinstance(event := reader.next_event(), Frame):
+                    replies.append(event)
+        assert all(isinstance(f.msg, Reply) and f.msg.fields["sizes"] == [1] * 16384 for f in replies)
+        stats = await kv.stats()
+    assert stats["store"]["pinned_blocks"] == 0
+
+
 async def test_a_client_that_stops_reading_its_reply_is_dropped_and_its_pins_released(make_server) -> None:
     """The blocks of a reply stay pinned until it is sent. A client that asked for 24 MiB and
     stopped reading held them for good (back-pressure bounds the bytes queued, not the time):

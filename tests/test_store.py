@@ -151,6 +151,57 @@ def test_too_large_and_bad_configuration(policy: str) -> None:
         BlockStore(PS, eviction="mru")
     with pytest.raises(ValueError):
         BlockStore(PS, lease_s=0)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="max_leases"):
+            BlockStore(PS, max_leases=bad)  # type: ignore[arg-type]
+
+
+def test_another_stores_reservations_and_references_are_refused(policy: str) -> None:
+    """A reservation or reference carries its store's arena: taken by another store it would free
+    (or publish) that store's pages under a block of this one."""
+    mine, other = make(policy, 4), make(policy, 4)
+    mine.put(NS, k("mine"), data("mine"))
+    other.put(NS, k("theirs"), data("theirs"))
+    res = other.reserve(NS, k("r"), PS)
+    ref = other.acquire(NS, k("theirs"))
+    assert res is not None and ref is not None
+    with pytest.raises(InvalidRequest):
+        mine.commit(res)
+    with pytest.raises(InvalidRequest):
+        mine.abort(res)
+    with pytest.raises(InvalidRequest):
+        mine.release(ref)
+    with pytest.raises(InvalidRequest):
+        mine.release(None)  # type: ignore[arg-type]
+    assert mine.get(NS, k("mine")) == data("mine")
+    assert mine.stats()["used_bytes"] == PS and mine.stats()["pinned_blocks"] == 0
+    assert other.stats()["reserved_bytes"] == PS and other.stats()["pinned_blocks"] == 1
+    other.commit(res)
+    other.release(ref)
+    assert other.stats()["reserved_bytes"] == 0 and other.stats()["pinned_blocks"] == 0
+
+
+def test_a_lease_taken_with_a_key_of_another_type_ends(policy: str, clock: FakeClock) -> None:
+    store = make(policy, 4, clock)
+    store.put(NS, k(1), data(1))
+    view = memoryview(k(1))  # equal to the key and hashing like it
+    assert store.lookup(NS, [view], pin=True, lease_s=1) == 1
+    view.release()  # (the store must not have kept it)
+    clock.now += 2
+    store.expire_leases()
+    assert store.stats()["leases"] == 0 and store.stats()["pinned_blocks"] == 0
+
+
+def test_a_shared_arenas_descriptor_goes_with_the_store() -> None:
+    import gc
+    import os
+
+    store = BlockStore(4 * PS, page_size=PS, shared_arena=True)
+    fd = store.arena.fd
+    assert fd is not None and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    del store
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
 
 
 def test_dedup_keeps_the_first_copy(policy: str) -> None:
