@@ -227,14 +227,20 @@ class Server:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            self.store.expire_leases()
-            expired = self.service.shm.expire()  # read pins of a client that hangs mid-copy
-            for conn in list(self.connections):
-                conn.release_sent()  # replies read by a client that sends nothing more
-                if expired:
-                    conn.update_idle()  # a drain waiting only for those pins ends now
-            if self.tier is not None:
-                await self.tier.check_health()  # notices outages and recoveries (with back-off)
+            try:
+                await self._housekeep()
+            except Exception:  # (a bug in one step must not end lease expiry and tier recovery for good)
+                log.exception("housekeeping failed; trying again in 1 s")
+
+    async def _housekeep(self) -> None:
+        self.store.expire_leases()
+        expired = self.service.shm.expire()  # read pins of a client that hangs mid-copy
+        for conn in list(self.connections):
+            conn.release_sent()  # replies read by a client that sends nothing more
+            if expired:
+                conn.update_idle()  # a drain waiting only for those pins ends now
+        if self.tier is not None:
+            await self.tier.check_health()  # notices outages and recoveries (with back-off)
 
     def request_stop(self) -> None:
         if self._stopping is not None:

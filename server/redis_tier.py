@@ -71,7 +71,9 @@ HEADER_SIZE = HEADER.size  # 16
 _NS_SAFE = "/=+,@"
 
 MODES = ("write-through", "write-behind")
-_REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+# (RuntimeError: under uvloop, redis-py writing to a connection Redis reset right after accepting it
+# raises "unable to perform operation on <TCPTransport closed=True>": an outage like the others.)
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RuntimeError)
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
 _BATCH_BLOCKS = 64  # write-behind: blocks per flush round trip

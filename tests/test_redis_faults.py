@@ -243,3 +243,52 @@ async def test_a_put_of_another_namespace_does_not_wait_for_a_flush(make_redis, 
         assert await flushing == 1 and (await other).stored == 1
     assert in_redis(redis, NS, [key]) == [False] and in_redis(redis, "other", [key]) == [True]
 
+
+
+def test_a_redis_that_resets_each_connection_is_an_outage_not_a_crash() -> None:
+    """Under uvloop, redis-py writing on a connection reset right after its accept raises a bare
+    RuntimeError ("unable to perform operation on <TCPTransport closed=True>"): it used to escape the
+    tier's start (the server failed to start) and its health probe (ending the server's
+    housekeeping: no more recovery, lease expiry or pin expiry)."""
+    import socket
+    import struct
+    import threading
+
+    import uvloop
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # an RST, right after the accept
+
+    thread = threading.Thread(target=reset_each, daemon=True)
+    thread.start()
+
+    async def starts() -> list[str]:
+        states = []
+        for _ in range(40):
+            client = Redis(host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1,
+                           retry=Retry(NoBackoff(), 0))  # (each attempt is what is being tested)
+            tier = RedisTier(client, target="resetting")
+            await tier.start()  # raised RuntimeError in some of the 40
+            await tier.check_health()
+            states.append(tier.stats()["state"])
+            await tier.close()
+        return states
+
+    try:
+        assert set(uvloop.run(starts())) == {"degraded"}
+    finally:
+        listener.close()
+        thread.join(5)
