@@ -114,6 +114,8 @@ class ShmSession:
 
     def add(self, grant: _GetGrant | _PutGrant) -> int:
         handle = self.next_handle
+        while handle in self.grants:  # (wrapped around to a handle still open)
+            handle = handle % 0xFFFFFFFF + 1
         self.next_handle = handle % 0xFFFFFFFF + 1  # 1..2**32-1, never 0
         self.grants[handle] = grant
         return handle

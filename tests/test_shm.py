@@ -649,3 +649,14 @@ async def test_server_restart_reattaches_the_new_arena(unix_path: str) -> None:
             assert [bytes(b) for b in await kv.get([k])] == [b"second"]
     finally:
         await kv.close()
+
+
+def test_shm_handles_wrap_around_past_the_ones_still_open() -> None:
+    from kvstore.server.shm import ShmSession
+
+    st = ShmSession()
+    first = st.add("a")  # type: ignore[arg-type]  (the session only files grants)
+    st.next_handle = 0xFFFFFFFF  # the last handle: the next wraps to 1, still open
+    assert [st.add("b"), st.add("c")] == [0xFFFFFFFF, first + 1]  # type: ignore[arg-type]
+    assert st.grants == {first: "a", 0xFFFFFFFF: "b", first + 1: "c"}
+
