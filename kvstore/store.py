@@ -507,7 +507,7 @@ class BlockStore:
         """
         arena = self._arena
         for ref in refs:
-            if type(ref) is not BlockRef or ref._arena is not arena:
+            if ref._arena is not arena:
                 raise InvalidRequest(f"{ref!r} is not a reference of this store")
             if not ref._open:
                 raise ValueError(f"{ref!r} was already released")

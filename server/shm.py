@@ -236,24 +236,25 @@ class ShmService:
         """Pin and locate the present blocks; a tier's blocks are promoted first (or sent inline)."""
         st = self._session(session)
         ns = session.namespace
-        if self.pins + len(msg.keys) > self.max_pins:
-            raise CapacityError(f"shared-memory reads hold {self.pins} block pins; {len(msg.keys)} more would be "
+        budget = len(msg.keys)  # every key may end up pinned (a tier's block once promoted)
+        if self.pins + budget > self.max_pins:
+            raise CapacityError(f"shared-memory reads hold {self.pins} block pins; {budget} more would be "
                                 f"over the {self.max_pins} this server allows (read over the socket)")
         refs = self.store.acquire_many(ns, msg.keys)
-        self.pins += len(refs) - refs.count(None)
+        self.pins += budget  # (counted before the tier is asked: requests read meanwhile see it)
         self.counters["gets"] += 1
         missing = [i for i, r in enumerate(refs) if r is None]
         if self.tier is None or not missing:
             if msg.unpin:
                 self.store.unpin(ns, msg.keys)
-            return self._grant(st, refs, {})
+            return self._grant(st, refs, {}, budget)
         # The leases to drop: of the blocks found now, if still stored when the tier has answered
         # (a key missing now, or deleted meanwhile, may hold another client's block and lease then).
         unpin = [r for r in refs if r is not None] if msg.unpin else []
-        return self._get_tier(st, ns, msg.keys, refs, missing, unpin)
+        return self._get_tier(st, ns, msg.keys, refs, missing, unpin, budget)
 
     async def _get_tier(self, st: ShmSession, ns: str, keys: list[bytes], refs: list[BlockRef | None],
-                        missing: list[int], unpin: list[BlockRef]) -> ShmGetResult:
+                        missing: list[int], unpin: list[BlockRef], budget: int) -> ShmGetResult:
         """Read memory's misses through the tier; promote each into the arena when it can
         (not when a delete ran meanwhile: see :meth:`Service.may_promote`); then drop the
         leases ``unpin`` -- once the reply is known to fit, as on the socket path.
@@ -264,31 +265,32 @@ class ShmService:
         """
         assert self.tier is not None
         token = self.service.read_token()
-        try:
-            fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
-        except Unavailable:
-            fetched = [None] * len(missing)
-        except BaseException:  # (cancelled: the pins go with it)
-            self._release_refs([r for r in refs if r is not None])
-            raise
-        promote = self.service.may_promote(token)
         inline: dict[int, tuple[memoryview, int]] = {}
-        for i, item in zip(missing, fetched):
-            if item is None:
-                continue
-            data, checksum = memoryview(item[0]).cast("B"), item[1]
-            if promote:
-                refs[i] = self._promote(ns, keys[i], data, checksum, keys[i - 1] if i else None)
-            if refs[i] is None:
-                inline[i] = (data, checksum)  # the client still gets it (and checks it) over the socket
-        inline_bytes = sum(len(data) for data, _ in inline.values())
-        if inline_bytes > self.service.max_reply:
-            self._release_refs([r for r in refs if r is not None])
-            raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
-                           f"{self.service.max_reply}: ask for fewer at a time")
+        try:
+            try:
+                fetched = await self.tier.fetch(ns, [keys[i] for i in missing])
+            except Unavailable:
+                fetched = [None] * len(missing)
+            promote = self.service.may_promote(token)
+            for i, item in zip(missing, fetched):
+                if item is None:
+                    continue
+                data, checksum = memoryview(item[0]).cast("B"), item[1]
+                if promote:
+                    refs[i] = self._promote(ns, keys[i], data, checksum, keys[i - 1] if i else None)
+                if refs[i] is None:
+                    inline[i] = (data, checksum)  # the client still gets it (and checks it) over the socket
+            inline_bytes = sum(len(data) for data, _ in inline.values())
+            if inline_bytes > self.service.max_reply:
+                raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
+                               f"{self.service.max_reply}: ask for fewer at a time")
+        except BaseException:  # (TooLarge, or cancelled: the pins go with it)
+            held = self._settle(budget, refs)
+            self._release_refs(held)
+            raise
         if unpin:
             self.store.unpin_refs(unpin)
-        return self._grant(st, refs, inline)
+        return self._grant(st, refs, inline, budget)
 
     def _promote(self, ns: str, key: bytes, data: memoryview, checksum: int, parent: bytes | None) -> BlockRef | None:
         """Copy a tier block into the arena and pin it; None when it fails its checksum or finds no room.
@@ -301,15 +303,19 @@ class ShmService:
             self.store.put(ns, key, data, checksum, parent=parent)
         except (CapacityError, TooLarge):
             return None
-        ref = self.store.acquire(ns, key)
-        self.pins += ref is not None
-        return ref
+        return self.store.acquire(ns, key)
+
+    def _settle(self, budget: int, refs: list[BlockRef | None]) -> list[BlockRef]:
+        """The request's pins, counted one by one in ``pins`` from now on instead of its budget."""
+        held = [r for r in refs if r is not None]
+        self.pins -= budget - len(held)
+        return held
 
     def _grant(self, st: ShmSession, refs: list[BlockRef | None],
-               inline: dict[int, tuple[memoryview, int]]) -> ShmGetResult:
+               inline: dict[int, tuple[memoryview, int]], budget: int) -> ShmGetResult:
         page_size = self.store.arena.page_size
         res = ShmGetResult(blocks=[], checksums=[], refs=[])
-        held = [r for r in refs if r is not None]
+        held = self._settle(budget, refs)
         for i, ref in enumerate(refs):
             if ref is not None:
                 res.sizes.append(ref.size)

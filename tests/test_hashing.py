@@ -202,7 +202,10 @@ def test_a_dtype_and_its_alias_share_a_namespace() -> None:
     # torch.half is torch.float16: an engine naming it "half" must find the blocks of one passing the dtype
     import torch  # the test environment has it (scripts/test.sh)
     args = ("org/Model", "NHD", 0, 16)
-    for alias, dtype in (("half", torch.float16), ("float", torch.float32), ("double", torch.float64)):
+    aliases = {"half": torch.float16, "float": torch.float32, "double": torch.float64, "short": torch.int16,
+               "int": torch.int32, "long": torch.int64, "cfloat": torch.complex64, "cdouble": torch.complex128}
+    for alias, dtype in aliases.items():
+        assert getattr(torch, alias) is dtype
         ns = namespace_for(args[0], dtype, *args[1:])
         assert namespace_for(args[0], alias, *args[1:]) == ns
         assert namespace_for(args[0], f"torch.{alias}", *args[1:]) == ns

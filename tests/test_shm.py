@@ -8,6 +8,7 @@ import gc
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,11 +21,11 @@ import pytest
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
 from kvstore.config import ServerConfig
-from kvstore.protocol import Frame, FrameReader, Hello, ShmAttach, ShmGet, ShmPut, encode
+from kvstore.protocol import Frame, FrameReader, Hello, Message, ShmAttach, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
 from kvstore.server.service import Session
 
-from redis_fixtures import eventually
+from redis_fixtures import RedisProcess, eventually, redis_server  # noqa: F401  (redis_server is a fixture)
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
     MakeServer, arena_mappings, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
     unix_path,
@@ -461,12 +462,10 @@ def test_the_arena_is_passed_once_per_connection(make_server: MakeServer, unix_p
 
 
 async def test_a_peer_gone_before_its_attach_reply_is_not_a_server_error(make_server: MakeServer, unix_path: str) -> None:
-    import socket as socket_mod
-
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
     stream = b"".join(bytes(b) for i, m in enumerate([Hello(), ShmAttach()], 1) for b in encode(m, i))
     for _ in range(20):
-        with socket_mod.socket(socket_mod.AF_UNIX) as s:
+        with socket.socket(socket.AF_UNIX) as s:
             s.connect(unix_path)
             s.sendall(stream)
     async with AsyncKVClient(unix(unix_path)) as kv:
@@ -482,26 +481,14 @@ async def test_shm_read_pins_are_bounded_and_a_client_at_the_bound_reads_over_th
         make_server: MakeServer, unix_path: str) -> None:
     """A peer that never releases its SHM_GET handles cannot grow the server's memory without end:
     past the bound (64 Ki pins for a small arena) SHM_GET is refused, and clients read over the socket."""
-    import socket as socket_mod
 
     make_server("--capacity", "8MiB", "--unix", unix_path)
     k = key(1, "pins")
     async with AsyncKVClient(unix(unix_path)) as kv:
         assert kv.nodes[0].shm is not None
         await kv.put([k], [data(k, 4096)])
-        hog = socket_mod.socket(socket_mod.AF_UNIX)
+        hog, frames = pipelined(unix_path, [Hello(), *[ShmGet(keys=[k] * 16384) for _ in range(5)]])
         try:
-            hog.settimeout(10)
-            hog.connect(unix_path)
-            msgs = [Hello(), *[ShmGet(keys=[k] * 16384) for _ in range(5)]]
-            hog.sendall(b"".join(bytes(b) for i, m in enumerate(msgs, 1) for b in encode(m, i)))
-            reader, frames = FrameReader(is_server=False), []
-            while len(frames) < len(msgs):
-                chunk = hog.recv(1 << 20)
-                assert chunk
-                reader.feed(chunk)
-                while isinstance(event := reader.next_event(), Frame):
-                    frames.append(event)
             assert all(reply_fields(f)["handle"] for f in frames[1:5])  # 4 x 16384 pins: at the bound
             assert error_code(frames[5]) == CapacityError.code
             assert (await kv.stats())["shm"]["pins"] == 4 * 16384
@@ -517,6 +504,47 @@ async def test_shm_read_pins_are_bounded_and_a_client_at_the_bound_reads_over_th
         shm_gets = (await kv.stats())["shm"]["gets"]
         assert await kv.get_into([k], [buf]) == [True] and buf == data(k, 4096)
         assert (await kv.stats())["shm"]["gets"] == shm_gets + 1  # the arena again
+
+
+async def test_shm_read_pins_of_blocks_read_through_from_redis_are_bounded_too(
+        make_server: MakeServer, unix_path: str, redis_server: RedisProcess) -> None:
+    """Pipelined SHM_GETs of a block only Redis has all pass a check of the pins held while their
+    fetches run: the bound counts every key of a request from the start."""
+    k = key(1, "tier-pins")
+    first = make_server("--capacity", "8MiB", "--redis", redis_server.url)
+    async with AsyncKVClient(first.addr) as kv:
+        await kv.put([k], [data(k, 64)])  # write-through: in Redis
+    first.stop()
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--redis", redis_server.url)  # memory empty
+    hog, frames = pipelined(unix_path, [Hello(), *[ShmGet(keys=[k] * 16384) for _ in range(6)]])
+    frames.sort(key=lambda f: f.request_id)  # (the refusals come first: the others wait for Redis)
+    try:
+        assert [bool(reply_fields(f)["handle"]) for f in frames[1:5]] == [True] * 4  # 4 x 16384: the bound
+        assert [error_code(f) for f in frames[5:]] == [CapacityError.code] * 2
+        async with AsyncKVClient(unix(unix_path)) as kv:
+            assert (await kv.stats())["shm"]["pins"] == 4 * 16384
+    finally:
+        hog.close()
+
+
+def pipelined(path: str, msgs: list[Message]) -> tuple[socket.socket, list[Frame]]:
+    """Send ``msgs`` in one write on a new Unix connection, read one reply each; the socket stays open."""
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(b"".join(bytes(b) for i, m in enumerate(msgs, 1) for b in encode(m, i)))
+        reader, frames = FrameReader(is_server=False), []
+        while len(frames) < len(msgs):
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"closed after {len(frames)} replies"
+            reader.feed(chunk)
+            while isinstance(event := reader.next_event(), Frame):
+                frames.append(event)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, frames
 
 
 async def test_no_connect_timeout_still_maps_the_arena(make_server: MakeServer, unix_path: str) -> None:
@@ -545,10 +573,9 @@ async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_lat
         make_server: MakeServer, unix_path: str) -> None:
     """A server at --max-connections refuses the attach's connection: the client used the socket
     for that server instance for good. A later new connection of its pool asks again."""
-    import socket as socket_mod
 
     make_server("--capacity", "16MiB", "--unix", unix_path, "--max-connections", "3")
-    others = [socket_mod.socket(socket_mod.AF_UNIX) for _ in range(2)]
+    others = [socket.socket(socket.AF_UNIX) for _ in range(2)]
     for s in others:  # two of the three slots taken
         s.connect(unix_path)
     k = [key(1, "limit")]
@@ -573,24 +600,23 @@ def test_an_attach_refused_at_the_limit_is_unavailable_even_when_its_hello_canno
         make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The refusing server answers and closes at once: a HELLO sent after that fails (broken pipe),
     and the attach raised that TransportError, never retried, instead of the answer waiting unread."""
-    import socket as socket_mod
     import time
 
     from kvstore.client.shm import attach
     from kvstore.errors import Unavailable
 
     make_server("--capacity", "16MiB", "--unix", unix_path, "--max-connections", "1")
-    holder = socket_mod.socket(socket_mod.AF_UNIX)
+    holder = socket.socket(socket.AF_UNIX)
     holder.connect(unix_path)  # the only slot
     try:
         time.sleep(0.2)
-        send = socket_mod.socket.sendall
+        send = socket.socket.sendall
 
-        def late_send(self: socket_mod.socket, *args: object) -> None:  # (a busy thread: the close comes first)
+        def late_send(self: socket.socket, *args: object) -> None:  # (a busy thread: the close comes first)
             time.sleep(0.1)
             send(self, *args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(socket_mod.socket, "sendall", late_send)
+        monkeypatch.setattr(socket.socket, "sendall", late_send)
         for _ in range(3):
             with pytest.raises(Unavailable, match="limit"):
                 attach(unix_path, namespace="x", token=None, timeout=5)

@@ -226,7 +226,8 @@ _DTYPE_SHORT = {
     "uint8": "uint8",
 }
 # torch's other names for the same dtypes (``torch.half is torch.float16``): one namespace for both.
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "short": "int16", "int": "int32",
+                  "long": "int64", "chalf": "complex32", "cfloat": "complex64", "cdouble": "complex128"}
 
 
 def _short_model(model: str) -> str:
