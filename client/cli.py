@@ -28,6 +28,7 @@ from kvstore.protocol import Ping
 from . import workers
 from .aio import AsyncKVClient
 from .connection import open_connection
+from .tokens import read_token_file
 
 PROG = "kvstore-cli"
 ENV = "KVSTORE_"
@@ -115,13 +116,14 @@ class _CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Inspect and debug a kvstore server.")
+    p = argparse.ArgumentParser(prog=PROG, description="Inspect and debug a kvstore server.",
+                                allow_abbrev=False)  # (`--token S` would be taken for --token-file and echoed)
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _add_connection_options(p, suppress=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        sp = sub.add_parser(name, help=help, description=help, allow_abbrev=False)
         _add_connection_options(sp, suppress=True)
         return sp
 
@@ -171,15 +173,11 @@ def read_token(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return read_token_file(path)
     except OSError as exc:  # (named with its flag: the path alone does not say which file it was)
         raise Failure(f"--token-file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--token-file {path}: not a text file of tokens (not UTF-8)") from None
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            return line.strip()
-    raise UsageError(f"--token-file {path}: holds no token")
+    except ValueError as exc:
+        raise UsageError(f"--token-file {exc}") from None
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | bool | None:

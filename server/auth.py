@@ -57,7 +57,7 @@ class TokenTable:
             ValueError: it holds no token, or an entry with an empty token.
         """
         entries = []
-        for n, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        for n, raw in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue

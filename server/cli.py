@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstore-server",
         description="KV-cache block store daemon. Every flag can also be set as KVSTORE_<FLAG> "
                     "(e.g. KVSTORE_CAPACITY=4GiB); flags win over the environment.",
+        allow_abbrev=False,  # (`--token S` would be taken for --token-file, and S echoed in its error)
     )
 
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:

@@ -82,6 +82,7 @@ class Connection(asyncio.BufferedProtocol):
         self.events = 0
         self._seen = (-1, -1)
         self._last_rx_at = self._frame_since = self._unsent_since = 0.0
+        self._first_check = 0.0  # the first check_timeouts (the authentication deadline counts from it)
         self._unsent_seen = 0  # unsent_bytes() at the last check_timeouts
 
     # -- asyncio callbacks
@@ -352,8 +353,10 @@ class Connection(asyncio.BufferedProtocol):
         self.update_idle()
 
     def check_timeouts(self, now: float, idle_timeout: float, frame_timeout: float) -> None:
-        """Called about once a second: close a silent connection, drop one stuck mid-frame
-        or one that has stopped reading its replies.
+        """Called about once a second: close a silent connection, drop one stuck mid-frame,
+        one that has stopped reading its replies, or one that has not authenticated (a server
+        with tokens) within the frame timeout: PINGs, allowed before HELLO, would otherwise keep
+        tokenless peers in every connection slot.
 
         A connection waiting on *us* -- a reply still draining, a tier call,
         reading paused by back-pressure -- is neither idle nor stalled. A
@@ -375,10 +378,13 @@ class Connection(asyncio.BufferedProtocol):
         if waiting_on_us or events != self._seen[1] or not self.reader.in_frame:
             self._frame_since = now
         self._seen = (received, events)
+        self._first_check = self._first_check or now
         if frame_timeout and now - self._frame_since > frame_timeout:
             self._time_out("frame", frame_timeout)
         elif frame_timeout and unsent and now - self._unsent_since > frame_timeout:
             self._time_out("reply", frame_timeout)  # the peer stopped reading; its reply's blocks stay pinned
+        elif frame_timeout and not self.session.authenticated and now - self._first_check > frame_timeout:
+            self._time_out("auth", frame_timeout)
         elif idle_timeout and now - self._last_rx_at > idle_timeout:
             self._time_out("idle", idle_timeout)
 

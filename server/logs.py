@@ -42,12 +42,16 @@ def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> di
 
 
 def _kv_value(value: Any) -> str:
-    """Bare when safe, else double-quoted with backslash escapes (logfmt)."""
+    """Bare when safe, else double-quoted with backslash escapes (logfmt). Characters that are not
+    printable (line breaks of any kind, terminal escapes: a peer's namespace is logged) are escaped
+    as Python writes them, ``\\n``, ``\\x1b``, ``\\u2028``."""
     text = value if isinstance(value, str) else json.dumps(value, default=str) if value is not None else "null"
-    if text and not any(c in text for c in ' ="\\\n\r\t'):
+    if text and text.isprintable() and not any(c in text for c in ' ="\\'):
         return text
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    return '"' + escaped.replace("\t", "\\t") + '"'
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    if not escaped.isprintable():
+        escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in escaped)
+    return '"' + escaped + '"'
 
 
 class KeyValueFormatter(logging.Formatter):

@@ -183,11 +183,13 @@ class KVStoreCollector:
                                   value=snap["connections_total"])
         yield CounterMetricFamily("kvstore_connections_rejected", "Connections refused over --max-connections",
                                   value=snap.get("connections_rejected", 0))
-        yield CounterMetricFamily("kvstore_auth_failures", "HELLOs refused for a missing or wrong token",
+        yield CounterMetricFamily("kvstore_auth_failures", "HELLOs refused (a missing or wrong token, or a "
+                                  "namespace the token does not cover) and FLUSHes refused for their scope",
                                   value=snap.get("auth_failures", 0))
         timeouts = CounterMetricFamily("kvstore_connection_timeouts",
-                                       "Connections closed by --idle-timeout or --frame-timeout", labels=["kind"])
-        for kind in ("idle", "frame", "reply"):
+                                       "Connections closed by --idle-timeout or --frame-timeout (auth: no "
+                                       "successful HELLO within --frame-timeout)", labels=["kind"])
+        for kind in ("idle", "frame", "reply", "auth"):
             timeouts.add_metric([kind], snap.get("timeouts", {}).get(kind, 0))
         yield timeouts
 

@@ -69,7 +69,7 @@ class Counters:
     connections_total: int = 0
     connections_rejected: int = 0  # over --max-connections
     auth_failures: int = 0
-    timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0, "reply": 0})
+    timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0, "reply": 0, "auth": 0})
     latency: LatencyHistograms = field(default_factory=LatencyHistograms)
     #: Blocks PUTs (and shm commits) answered as not stored, by error (the PUT itself is answered,
     #: not an error reply: these never show in ``errors``).

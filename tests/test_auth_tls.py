@@ -8,6 +8,8 @@ import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -292,3 +294,56 @@ async def test_close_returns_once_tls_connections_are_gone(make_server, tls_file
     socks = [c.transport.get_extra_info("socket") for c in kv.nodes[0].conns]
     await kv.close()
     assert len(socks) == 2 and all(s.fileno() == -1 for s in socks)
+
+
+async def test_a_token_file_saved_with_a_byte_order_mark_reads_as_without(make_server, tmp_path: Path) -> None:
+    """An editor's BOM made the first line's comment a token valid for every namespace (and the
+    first real token unusable)."""
+    path = tmp_path / "tokens.bom"
+    path.write_bytes(b"\xef\xbb\xbf# a bare token may use every namespace\r\n" + f"{TOKEN}\r\n".encode())
+    srv = make_server("--capacity", "8MiB", "--token-file", str(path))
+    with pytest.raises(Unauthorized):
+        async with AsyncKVClient(srv.addr, token="\ufeff# a bare token may use every namespace", retries=0):
+            pass
+    async with AsyncKVClient(srv.addr, token=TOKEN) as kv:
+        await kv.put([b"k"], [b"v"])
+    r = subprocess.run([str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr,
+                        "--token-file", str(path), "ping"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "PONG" in r.stdout, r.stderr
+
+
+def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(make_server, token_file: Path) -> None:
+    """PINGs are answered before HELLO (health checks); they used to keep tokenless peers in every
+    connection slot for good."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--frame-timeout", "1",
+                      "--idle-timeout", "60")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        t0 = time.monotonic()
+        for rid in range(1, 100):
+            try:
+                sock.sendall(frames(Ping()))  # (ids restart at 1: only whether answers come matters)
+                if not sock.recv(65536):
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("a peer that never said HELLO kept its connection for 20 s")
+        assert time.monotonic() - t0 > 0.9  # not before the timeout
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:  # one that does stays
+        sock.sendall(frames(Hello(token=TOKEN)))
+        assert sock.recv(65536)
+        time.sleep(2.5)
+        sock.sendall(frames(Ping()))
+        assert sock.recv(65536)
+
+
+def test_a_peer_cannot_write_control_characters_into_the_log(make_server, token_file: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    namespace = "evil\x1b[2J\x1b[31m\u2028forged level=error msg=x"
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(frames(Hello(token="wrong", namespace=namespace)))
+        read_all(sock)
+    line = srv.wait_log(r"event=auth_failed")
+    assert "\x1b" not in line and "\u2028" not in line and line.count("\n") <= 1, repr(line)
+    assert '\\x1b[2J\\x1b[31m\\u2028forged level=error' in line

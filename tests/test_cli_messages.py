@@ -145,8 +145,6 @@ def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Pat
                                                "(set by KVSTORE_TOKEN_FILE)")
     r = server_run("--token-file", str(missing), env={"KVSTORE_TOKEN_FILE": "/elsewhere"})  # the flag wins: no note
     assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
-    r = server_run("--token", str(missing), env={"KVSTORE_TOKEN_FILE": "/elsewhere"})  # (argparse's abbreviation)
-    assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {missing}: No such file or directory"
     cmd = [str(BIN / "kvstore-server"), "--capacity", "1MiB"]  # a listener's error (raised once serving starts)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=20,
                        env=clean_env(KVSTORE_HOST="127.0.0.1", KVSTORE_PORT=str(taken_port)))
@@ -293,3 +291,11 @@ def test_the_pd_example_without_a_server_says_so_in_one_line() -> None:
     assert r.returncode == 1 and r.stdout == ""
     line = error_line(r, "decode")  # (was a 34-line traceback)
     assert f"no kvstore server answered at {addr}" in line and "kvstore-server" in line and "--server" in line
+
+
+def test_an_option_is_never_taken_for_a_longer_one_it_begins() -> None:
+    """``--token S`` was taken for ``--token-file S``: a token typed on the command line ended up
+    read as a path (and echoed as one)."""
+    for r, prog in ((cli("ping", "--token", "s3cret"), "kvstore-cli ping"), (server_run("--token", "s3cret"), "kvstore-server")):
+        assert r.returncode == 2
+        assert r.stderr.splitlines()[-1] == f"{prog}: error: unrecognized arguments: --token s3cret"

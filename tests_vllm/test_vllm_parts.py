@@ -89,14 +89,17 @@ def test_settings_defaults_and_namespace() -> None:
 
 def test_settings_from_extra_config(tmp_path: Path) -> None:
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_bytes(b"\xef\xbb\xbf# the engines' token\r\n\r\ns3cret\r\n")  # as kvstore-cli reads it: BOM, comment
     settings = KVStoreSettings.from_config(offloading_config({
         "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
-        "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1}))
+        "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1,
+        "kvstore_tls_server_name": "kvstore.internal"}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
     assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
+    assert settings.tls_server_name == "kvstore.internal"
+    assert "s3cret" not in repr(settings)
 
 
 @pytest.mark.parametrize("extra", [
@@ -105,6 +108,8 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_tls": 3},
     {"kvstore_token": "a", "kvstore_token_file": "b"},
     {"kvstore_namespace": "n" * 300},
+    {"kvstore_token_file": "/nonexistent/token"},
+    {"kvstore_tls_server_name": ""},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

@@ -45,8 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +69,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
 from kvstore.client import KVClient
+from kvstore.client.tokens import read_token_file
 from kvstore.engine.transfer import PagedKVTransfer
 from kvstore.errors import KVStoreError
 
@@ -125,8 +125,11 @@ class KVStoreSettings:
         addr: ``kvstore_addr``: ``"host:port"``, or several (a list, or one string
             separated by commas) for a client that shards over servers.
         namespace: ``kvstore_namespace``; default :func:`default_namespace`.
-        token: ``kvstore_token``, or the contents of ``kvstore_token_file``.
+        token: ``kvstore_token``, or the first token line of ``kvstore_token_file`` (as
+            ``kvstore-cli --token-file`` reads it).
         tls: ``kvstore_tls``: ``true`` for the system CAs, or a CA file path.
+        tls_server_name: ``kvstore_tls_server_name``: the name to verify in the server's
+            certificate when ``addr`` is an IP address or another name.
         timeout: ``kvstore_timeout`` in seconds, per request of the scheduler (a
             lookup that times out is a miss); the workers' transfers wait at least
             ``MIN_TRANSFER_TIMEOUT_S``.
@@ -143,8 +146,9 @@ class KVStoreSettings:
 
     addr: str | tuple[str, ...] = DEFAULT_ADDR
     namespace: str = "default"
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # (a secret: not in logs of the settings)
     tls: bool | str | None = None
+    tls_server_name: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     lease_ms: int | None = None
     flush_on_reset: bool = False
@@ -155,7 +159,8 @@ class KVStoreSettings:
         """Read the settings from an ``OffloadingConfig``.
 
         Raises:
-            ValueError: an entry has the wrong type, or both token forms are given.
+            ValueError: an entry has the wrong type, both token forms are given, or the token file
+                cannot be read or holds no token.
         """
         extra = config.extra_config
         addr = _parse_addr(extra.get("kvstore_addr", DEFAULT_ADDR))
@@ -166,17 +171,26 @@ class KVStoreSettings:
         token_file = extra.get("kvstore_token_file")
         if token is not None and token_file is not None:
             raise ValueError("give kvstore_token or kvstore_token_file, not both")
-        if token_file is not None:
-            token = Path(token_file).read_text().strip()
+        if token_file is not None:  # (read as kvstore-cli reads --token-file)
+            try:
+                token = read_token_file(token_file)
+            except OSError as exc:
+                raise ValueError(f"kvstore_token_file {token_file}: {exc.strerror or exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"kvstore_token_file {exc}") from None
         tls = extra.get("kvstore_tls")
         if tls is not None and not isinstance(tls, (bool, str)):
             raise ValueError("kvstore_tls must be true/false or a CA file path")
+        server_name = extra.get("kvstore_tls_server_name")
+        if server_name is not None and not (isinstance(server_name, str) and server_name):
+            raise ValueError("kvstore_tls_server_name must be a host name")
         lease = extra.get("kvstore_lease_ms")
         return cls(
             addr=addr,
             namespace=namespace,
             token=token,
             tls=tls,
+            tls_server_name=server_name,
             timeout=float(extra.get("kvstore_timeout", DEFAULT_TIMEOUT_S)),
             lease_ms=None if lease is None else int(lease),
             flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False)),
@@ -193,6 +207,7 @@ class KVStoreSettings:
             KVStoreError: the server cannot be reached or refuses the token.
         """
         client = KVClient(self.addr, namespace=self.namespace, token=self.token, tls=self.tls,
+                          server_hostname=self.tls_server_name,
                           timeout=self.timeout if timeout is None else timeout)
         try:
             client.connect()
