@@ -304,13 +304,20 @@ async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextI
 
 async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
     """PING; without a token it skips HELLO, so it checks a server that wants tokens too
-    (a health check needs no secret); with one, the token is checked first."""
+    (a health check needs no secret); with one, the token is checked first. A server with
+    tokens closes a connection that has not said HELLO after ``--frame-timeout``: a long
+    ``--count`` then goes on on a new one."""
     conn = None
-    if kv.token is None:
+    answered = False  # a PONG came: a close after it is the auth deadline, not a TLS server
+
+    async def bare() -> Any:
         (node,) = kv.nodes
-        conn = await open_connection(node.host, node.port, namespace=kv.namespace, token=None, tls=kv.tls,
+        return await open_connection(node.host, node.port, namespace=kv.namespace, token=None, tls=kv.tls,
                                      limits=kv.limits, timeout=kv.connect_timeout,
                                      server_hostname=kv.server_hostname or node.host, unix=node.unix, hello=False)
+
+    if kv.token is None:
+        conn = await bare()
     try:
         for i in range(args.count):
             if i:
@@ -318,22 +325,32 @@ async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> 
             if conn is None:
                 rtt = await kv.ping()
             else:
-                t0 = time.perf_counter()
                 try:
-                    await conn.request(Ping(), timeout=kv.timeout)
+                    rtt = await _bare_ping(conn, kv.timeout)
                 except RequestTimeout:
                     raise
                 except TransportError:
-                    if kv.tls is None and kv.nodes[0].unix is None:  # what a TLS server does with plain text
+                    if answered:  # closed since the last PONG (its auth deadline): again on a new connection
+                        await conn.aclose()
+                        conn = await bare()
+                        rtt = await _bare_ping(conn, kv.timeout)
+                    elif kv.tls is None and kv.nodes[0].unix is None:  # what a TLS server does with plain text
                         raise TransportError(f"{args.addr} closed the connection at PING (does it expect TLS? "
                                              "--tls or --tls-ca)") from None
-                    raise
-                rtt = time.perf_counter() - t0
+                    else:
+                        raise
+                answered = True
             print(f"PONG from {args.addr} in {rtt * 1000:.3f} ms", file=out)
     finally:
         if conn is not None:
             await conn.aclose()
     return 0
+
+
+async def _bare_ping(conn: Any, timeout: float | None) -> float:
+    t0 = time.perf_counter()
+    await conn.request(Ping(), timeout=timeout)
+    return time.perf_counter() - t0
 
 
 async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:

@@ -65,7 +65,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(record_fields(record, self), default=str, ensure_ascii=False)
+        return json.dumps(record_fields(record, self), default=str)  # (ASCII: a peer's U+2028 or U+009B escaped)
 
 
 def setup_logging(level: str = "info", fmt: str = "kv", stream: TextIO | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import ssl
@@ -338,12 +339,24 @@ def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(
         assert sock.recv(65536)
 
 
-def test_a_peer_cannot_write_control_characters_into_the_log(make_server, token_file: Path) -> None:
-    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
-    namespace = "evil\x1b[2J\x1b[31m\u2028forged level=error msg=x"
+@pytest.mark.parametrize("fmt", ["kv", "json"])
+def test_a_peer_cannot_write_control_characters_into_the_log(make_server, token_file: Path, fmt: str) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--log-format", fmt)
+    namespace = "evil\x1b[2J\x1b[31m\u2028\x85\x9b\x7fforged level=error msg=x"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
         sock.sendall(frames(Hello(token="wrong", namespace=namespace)))
         read_all(sock)
-    line = srv.wait_log(r"event=auth_failed")
-    assert "\x1b" not in line and "\u2028" not in line and line.count("\n") <= 1, repr(line)
-    assert '\\x1b[2J\\x1b[31m\\u2028forged level=error' in line
+    line = srv.wait_log(r"auth_failed")
+    assert line.isascii() and line.rstrip("\n").isprintable() and len(line.splitlines()) == 1, repr(line)
+    if fmt == "kv":
+        assert '\\x1b[2J\\x1b[31m\\u2028\\x85\\x9b\\x7fforged level=error' in line
+    else:
+        assert json.loads(line)["namespace"] == namespace
+
+
+def test_a_long_tokenless_ping_outlasts_the_auth_deadline(make_server, token_file: Path) -> None:
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--frame-timeout", "1")
+    r = subprocess.run([str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr, "ping", "-c", "15"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.count("PONG") == 15, r.stderr  # 3 s: over a new connection after 1-1.25 s
+    assert any("auth_timeout" in line for line in srv.log)
