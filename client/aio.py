@@ -13,6 +13,7 @@ import contextlib
 import copy
 import ctypes
 import logging
+import math
 import os
 import ssl
 import sys
@@ -224,6 +225,7 @@ class _Node:
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
+        self.lookup_failed_told = -math.inf  # when a log line last said a lookup went on without it
         self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
         self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
 
@@ -355,9 +357,11 @@ class _Node:
                 return await _kept(request, orphan)
             except RequestTimeout:
                 raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
-            except TransportError:
+            except TransportError as exc:
                 if attempt == attempts - 1 or c.closed:
-                    raise
+                    if c.closed or self.addr in str(exc):
+                        raise
+                    raise type(exc)(f"{self.addr}: {exc}") from exc  # ("connection lost": which server's?)
                 await asyncio.sleep(c.backoff * 2**attempt)
         raise AssertionError("unreachable")
 
@@ -636,6 +640,11 @@ class AsyncKVClient:
         raises (or is cancelled) gives back the leases it took: a request in flight when the
         caller is cancelled is seen through, and what it pinned is given back; one that gets
         no answer (a server that stopped answering) may have pinned, its leases end with their time.
+
+        Over several servers, a lookup answers from those that did: a key of a server that
+        failed (down, silent, refusing) counts as missing, so the answer is what can be fetched
+        now, and a warning is logged (once per server per minute). It raises only when no
+        server answered.
         """
         keys = _checked_keys(keys)
         if not keys:
@@ -671,9 +680,11 @@ class AsyncKVClient:
         first_missing = len(keys)
         dropping = False
         try:
-            shares = await self._per_node(keys, one)
+            shares = await self._answered(keys, one)
             for idx, n in shares:
-                if n < len(idx):
+                if n is None:  # (its server failed)
+                    first_missing = min(first_missing, idx[0])
+                elif n < len(idx):
                     first_missing = min(first_missing, idx[n])
             if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
                 dropping = True  # (shielded: a cancel must not cut the drop off half-way)
@@ -685,6 +696,27 @@ class AsyncKVClient:
                 self._in_background(self._unpin_quietly(leased(0, first_missing if dropping else len(keys))))
             raise
         return first_missing
+
+    async def _answered(self, keys: Sequence[bytes], one: Callable[[_Node, Sequence[int]], Awaitable[int]],
+                        ) -> list[tuple[Sequence[int], int | None]]:
+        """Each server's share of a lookup and its answer, None for a server that failed (a
+        ``KVStoreError``) while another answered; raises when none did."""
+        groups = self._groups(keys)
+        if len(groups) == 1:
+            return await self._per_node(keys, one, groups)  # type: ignore[return-value]
+        results = await asyncio.gather(*(one(node, idx) for node, idx in groups), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for r in failures:
+            if not isinstance(r, KVStoreError):  # (a cancel, a bug)
+                raise r
+        if len(failures) == len(groups):
+            raise failures[0]
+        now = time.monotonic()
+        for (node, _), r in zip(groups, results):
+            if isinstance(r, KVStoreError) and now - node.lookup_failed_told > 60:
+                node.lookup_failed_told = now
+                log.warning("a lookup goes on without %s, its keys counted as missing: %s", node.addr, r)
+        return [(idx, None if isinstance(r, BaseException) else r) for (_, idx), r in zip(groups, results)]
 
     def _unpin_orphan(self, node: _Node, part: list[bytes], resp: Response) -> None:
         """Give back what a pinned LOOKUP pinned after its caller stopped waiting (cancelled)."""

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient, PutResult
+from kvstore.client.sharding import Ring
 from kvstore.errors import BlockSizeError, RequestTimeout, TooLarge, TransportError, Unauthorized
 
 from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
@@ -431,18 +432,23 @@ async def test_a_sharded_pinned_lookup_longer_than_max_batch_leaves_only_the_cha
 
 async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_server: MakeServer) -> None:
     """The caller of a failed lookup learns of no lease, so none may be left: a server that answered
-    pinned its share, another timed out -- the first one's leases are dropped before the error."""
+    pinned its share, the caller gave up waiting for another -- the first one's leases are given
+    back. A lookup that another server fails (times out) answers from the one that answered:
+    the leases it keeps are the answer's."""
     up, stopped = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB")
     assert stopped.proc is not None
     kv = AsyncKVClient([up.addr, stopped.addr], namespace="p", timeout=1.0, retries=0)
     keys = [key(i, "failed-pin") for i in range(16)]
+    ring = Ring([up.addr, stopped.addr])
+    first_stopped = next(i for i, k in enumerate(keys) if ring.nodes[ring.node_of(k)] == stopped.addr)
     try:
         await kv.put(keys, [bytes([i]) * 1000 for i in range(16)])
         os.kill(stopped.proc.pid, signal.SIGSTOP)
         try:
-            with pytest.raises(RequestTimeout):
-                await kv.lookup(keys, pin=True, lease_ms=600_000)
-            with pytest.raises(asyncio.TimeoutError):  # a caller that gives up (a cancel) takes none either
+            assert await kv.lookup(keys, pin=True, lease_ms=600_000) == first_stopped  # (after 1 s)
+            assert await _leases([up]) == [first_stopped]  # the up server's leases past the answer dropped
+            assert await kv.unpin(keys[:first_stopped]) == first_stopped
+            with pytest.raises(asyncio.TimeoutError):  # a caller that gives up (a cancel) takes none
                 await asyncio.wait_for(kv.lookup(keys, pin=True, lease_ms=600_000), 0.5)
         finally:
             os.kill(stopped.proc.pid, signal.SIGCONT)
@@ -601,8 +607,8 @@ async def test_close_right_after_a_failed_pinned_lookup_lets_its_leases_go_first
     await kv.put(keys, [bytes([i]) * 1000 for i in range(16)])
     os.kill(stopped.proc.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(RequestTimeout):
-            await kv.lookup(keys, pin=True, lease_ms=600_000)
+        with pytest.raises(asyncio.TimeoutError):  # the caller gives up: the up server's leases go back
+            await asyncio.wait_for(kv.lookup(keys, pin=True, lease_ms=600_000), 0.5)
         await kv.close()
     finally:
         os.kill(stopped.proc.pid, signal.SIGCONT)

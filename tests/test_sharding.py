@@ -99,3 +99,37 @@ def test_bad_address_lists_are_kvstore_errors() -> None:
         assert isinstance(info.value, KVStoreError)
         with pytest.raises(InvalidRequest):
             KVClient(addrs)
+
+
+async def test_a_lookup_answers_from_the_servers_that_answer(make_server) -> None:
+    """With a server down, a lookup used to fail whole (an engine takes that for a miss of every
+    block) even where the servers that answered already told the answer; its keys now count as
+    missing, and the lookup raises only when no server answered."""
+    from kvstore.errors import TransportError
+
+    servers = [make_server("--capacity", MEM) for _ in range(3)]
+    addrs = [s.addr for s in servers]
+    ring = Ring(addrs)
+    keys = chain(40, "down")
+    data = [random.Random(k).randbytes(3000) for k in keys]
+    async with AsyncKVClient(addrs, namespace="sh", retries=0, connect_timeout=2) as kv:
+        await kv.put(keys, data)
+        down = next(ring.node_of(k) for k in keys if ring.node_of(k) != ring.node_of(keys[0]))  # not the first key's
+        first_down = next(i for i, k in enumerate(keys) if ring.node_of(k) == down)
+        servers[down].stop()
+        assert await kv.lookup(keys) == first_down  # what can be fetched now
+        assert payloads(await kv.get(keys[:first_down])) == data[:first_down]
+        assert await kv.lookup(keys, pin=True) == first_down
+        leases = 0
+        for addr in (a for n, a in enumerate(addrs) if n != down):
+            async with AsyncKVClient(addr, namespace="sh") as one:
+                leases += (await one.stats())["store"]["leases"]
+        assert leases == first_down  # the live servers' leases past the answer were dropped
+        assert await kv.unpin(keys[:first_down]) == first_down
+        assert first_down > 0 and await kv.delete(keys[:1]) == 1
+        assert await kv.lookup(keys) == 0  # told by a server that answered: the one down does not matter
+        for n, s in enumerate(servers):
+            if n != down:
+                s.stop()
+        with pytest.raises(TransportError, match=r"127\.0\.0\.1:\d+"):  # (naming a server)
+            await kv.lookup(keys)  # no server answered

@@ -82,7 +82,7 @@ def test_settings_defaults_and_namespace() -> None:
     assert settings.addr == DEFAULT_ADDR
     assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3/p2"
     assert (settings.token, settings.tls, settings.lease_ms) == (None, None, None)
-    assert not settings.flush_on_reset and not settings.remote_decode_dedup
+    assert not settings.flush_on_reset and not settings.remote_decode_dedup and settings.shm is None
     long_name = default_namespace(offloading_config(model="/models/" + "x" * 300))
     assert long_name.startswith("vllm/") and len(long_name) <= 256
 
@@ -94,11 +94,11 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
         "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
         "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1,
-        "kvstore_tls_server_name": "kvstore.internal"}))
+        "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true"}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
     assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
-    assert settings.tls_server_name == "kvstore.internal"
+    assert settings.tls_server_name == "kvstore.internal" and settings.shm is True
     assert "s3cret" not in repr(settings)
 
 
@@ -114,6 +114,19 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KVStoreSettings.from_config(offloading_config(extra))
+
+
+def test_the_clients_connect_and_retry_within_their_timeout(make_server: Any) -> None:
+    """A stalled server made each scheduler call wait connect_timeout (5 s) x 3 tries: 15 s per
+    lookup where kvstore_timeout says 5."""
+    server = make_server("--capacity", "1MiB")
+    settings = KVStoreSettings.from_config(offloading_config({"kvstore_addr": server.addr, "kvstore_timeout": 3}))
+    client = settings.client()
+    try:
+        aio = client._aio  # (the blocking client's settings live in its asyncio client)
+        assert (aio.timeout, aio.connect_timeout, aio.retries) == (3.0, 1.0, 2)
+    finally:
+        client.close()
 
 
 def test_spec_refuses_canonical_layout() -> None:

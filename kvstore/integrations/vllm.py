@@ -132,7 +132,10 @@ class KVStoreSettings:
             certificate when ``addr`` is an IP address or another name.
         timeout: ``kvstore_timeout`` in seconds, per request of the scheduler (a
             lookup that times out is a miss); the workers' transfers wait at least
-            ``MIN_TRANSFER_TIMEOUT_S``.
+            ``MIN_TRANSFER_TIMEOUT_S``. Connecting, with its retries, fits in it too.
+        shm: ``kvstore_shm``: ``true`` maps a same-host server's arena also when ``addr``
+            names it by ``host:port`` (the spelling every engine sharing sharded servers
+            must use alike); default: only for ``unix:`` addresses.
         lease_ms: ``kvstore_lease_ms``: how long a lookup's pin protects a block
             from eviction if its load never comes; default the server's.
         flush_on_reset: ``kvstore_flush_on_reset``: make vLLM's connector cache
@@ -153,6 +156,7 @@ class KVStoreSettings:
     lease_ms: int | None = None
     flush_on_reset: bool = False
     remote_decode_dedup: bool = False
+    shm: bool | None = None
 
     @classmethod
     def from_config(cls, config: OffloadingConfig) -> KVStoreSettings:
@@ -195,6 +199,7 @@ class KVStoreSettings:
             lease_ms=None if lease is None else int(lease),
             flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False)),
             remote_decode_dedup=_parse_bool(extra.get("kvstore_remote_decode_dedup", False)),
+            shm=None if extra.get("kvstore_shm") is None else _parse_bool(extra["kvstore_shm"]),
         )
 
     def client(self, timeout: float | None = None) -> KVClient:
@@ -206,9 +211,11 @@ class KVStoreSettings:
         Raises:
             KVStoreError: the server cannot be reached or refuses the token.
         """
+        timeout = self.timeout if timeout is None else timeout
+        retries = 2  # (a lost connection is asked again: connect, with HELLO, in a third of the timeout)
         client = KVClient(self.addr, namespace=self.namespace, token=self.token, tls=self.tls,
-                          server_hostname=self.tls_server_name,
-                          timeout=self.timeout if timeout is None else timeout)
+                          server_hostname=self.tls_server_name, shm=self.shm, timeout=timeout,
+                          connect_timeout=timeout / (1 + retries), retries=retries)
         try:
             client.connect()
         except KVStoreError as exc:
