@@ -681,14 +681,19 @@ class AsyncKVClient:
         dropping = False
         try:
             shares = await self._answered(keys, one)
-            for idx, n in shares:
+            failed = {node for node, _, n in shares if n is None}
+            for _, idx, n in shares:
                 if n is None:  # (its server failed)
                     first_missing = min(first_missing, idx[0])
                 elif n < len(idx):
                     first_missing = min(first_missing, idx[n])
             if pin and len(shares) > 1:  # each server pinned its share's own prefix: drop the leases past the chain's
                 dropping = True  # (shielded: a cancel must not cut the drop off half-way)
-                await asyncio.shield(self._in_background(self._unpin_quietly(leased(first_missing, len(keys)))))
+                past = leased(first_missing, len(keys))
+                # (a server that failed after pinning an earlier run: not waited for)
+                self._in_background(self._unpin_quietly([(node, ks) for node, ks in past if node in failed]))
+                await asyncio.shield(self._in_background(
+                    self._unpin_quietly([(node, ks) for node, ks in past if node not in failed])))
         except BaseException:  # (a cancel too) the caller learns of no lease: give back those it took
             # (in the background: not to wait on a server that failed, nor be cut off by a cancel). A LOOKUP
             # whose reply never came may have pinned too: unknown here, its lease ends with its time.
@@ -698,12 +703,13 @@ class AsyncKVClient:
         return first_missing
 
     async def _answered(self, keys: Sequence[bytes], one: Callable[[_Node, Sequence[int]], Awaitable[int]],
-                        ) -> list[tuple[Sequence[int], int | None]]:
-        """Each server's share of a lookup and its answer, None for a server that failed (a
+                        ) -> list[tuple[_Node, Sequence[int], int | None]]:
+        """Each server, its share of a lookup and its answer, None for a server that failed (a
         ``KVStoreError``) while another answered; raises when none did."""
         groups = self._groups(keys)
         if len(groups) == 1:
-            return await self._per_node(keys, one, groups)  # type: ignore[return-value]
+            node, idx = groups[0]
+            return [(node, idx, await one(node, idx))]
         results = await asyncio.gather(*(one(node, idx) for node, idx in groups), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for r in failures:
@@ -716,7 +722,7 @@ class AsyncKVClient:
             if isinstance(r, KVStoreError) and now - node.lookup_failed_told > 60:
                 node.lookup_failed_told = now
                 log.warning("a lookup goes on without %s, its keys counted as missing: %s", node.addr, r)
-        return [(idx, None if isinstance(r, BaseException) else r) for (_, idx), r in zip(groups, results)]
+        return [(node, idx, None if isinstance(r, BaseException) else r) for (node, idx), r in zip(groups, results)]
 
     def _unpin_orphan(self, node: _Node, part: list[bytes], resp: Response) -> None:
         """Give back what a pinned LOOKUP pinned after its caller stopped waiting (cancelled)."""

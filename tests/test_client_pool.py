@@ -643,3 +643,41 @@ async def test_a_lookup_cancelled_while_it_drops_the_leases_past_the_chain_leave
                 break
             await asyncio.sleep(0.1)
         assert await _leases(servers) == [0, 0, 0]
+
+
+async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_failed(
+        make_server: MakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that pinned its share's first run and then stopped answering: the drop of the
+    leases past the answer waited on it too (a new connection's HELLO: connect_timeout)."""
+    from kvstore.client.aio import _Node
+    from kvstore.protocol import Lookup
+
+    a, b = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--max-batch", "4")
+    assert b.proc is not None
+    keys = [key(i, "fail-between-runs") for i in range(40)]
+    ring = Ring([a.addr, b.addr])
+    assert sum(ring.nodes[ring.node_of(k)] == b.addr for k in keys) > 4  # b's share takes two runs or more
+    kv = AsyncKVClient([a.addr, b.addr], namespace="p", timeout=1.0, connect_timeout=30.0, retries=0)
+    lookups_to_b = 0
+    real_call = _Node.call
+
+    async def call(self: _Node, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal lookups_to_b
+        if isinstance(msg, Lookup) and self.addr == b.addr:
+            lookups_to_b += 1
+            if lookups_to_b == 2:  # b answered its first run; it stops before the second
+                os.kill(b.proc.pid, signal.SIGSTOP)
+        return await real_call(self, msg, *args, **kwargs)
+
+    try:
+        await kv.put(keys, [bytes([i]) * 100 for i in range(40)])
+        monkeypatch.setattr(_Node, "call", call)
+        try:  # answered after b's 1 s timeout, not after a 30 s HELLO to give b's leases back
+            n = await asyncio.wait_for(kv.lookup(keys, pin=True, lease_ms=600_000), 15)
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        first_b = next(i for i, k in enumerate(keys) if ring.nodes[ring.node_of(k)] == b.addr)
+        assert n == first_b  # b failed: its keys count as missing
+        assert await _leases([a]) == [sum(ring.nodes[ring.node_of(k)] == a.addr for k in keys[:n])]
+    finally:
+        await kv.close()

@@ -109,6 +109,9 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_token": "a", "kvstore_token_file": "b"},
     {"kvstore_namespace": "n" * 300},
     {"kvstore_token_file": "/nonexistent/token"},
+    {"kvstore_shm": "ture"},
+    {"kvstore_flush_on_reset": "maybe"},
+    {"kvstore_remote_decode_dedup": 2},
     {"kvstore_tls_server_name": ""},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:

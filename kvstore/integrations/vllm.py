@@ -197,9 +197,10 @@ class KVStoreSettings:
             tls_server_name=server_name,
             timeout=float(extra.get("kvstore_timeout", DEFAULT_TIMEOUT_S)),
             lease_ms=None if lease is None else int(lease),
-            flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False)),
-            remote_decode_dedup=_parse_bool(extra.get("kvstore_remote_decode_dedup", False)),
-            shm=None if extra.get("kvstore_shm") is None else _parse_bool(extra["kvstore_shm"]),
+            flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False), "kvstore_flush_on_reset"),
+            remote_decode_dedup=_parse_bool(extra.get("kvstore_remote_decode_dedup", False),
+                                            "kvstore_remote_decode_dedup"),
+            shm=None if extra.get("kvstore_shm") is None else _parse_bool(extra["kvstore_shm"], "kvstore_shm"),
         )
 
     def client(self, timeout: float | None = None) -> KVClient:
@@ -272,10 +273,18 @@ def _parse_addr(value: Any) -> str | tuple[str, ...]:
     return addrs[0] if len(addrs) == 1 else tuple(addrs)
 
 
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(value: Any, name: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``, JSON booleans); anything
+    else is a ValueError: a typo must not quietly mean false (``kvstore_shm: "ture"``)."""
+    text = str(value).strip().lower() if isinstance(value, (str, bool, int)) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 # --------------------------------------------------------------------------- scheduler side
