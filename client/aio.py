@@ -26,8 +26,8 @@ from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError,
-    TooLarge, TransportError, from_code,
+    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout,
+    ServerError, TooLarge, TransportError, from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (

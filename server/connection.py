@@ -270,7 +270,8 @@ class Connection(asyncio.BufferedProtocol):
             self.release_sent()
         if self.output_pending:  # pause_writing() fired once, at the first unsent byte: re-check on every reply
             self.queued += len(buffers) + (len(refs) if refs else 0)
-            if self.queued > MAX_QUEUED_BUFFERS or transport.get_write_buffer_size() > self.service.config.max_pending_out:
+            if (self.queued > MAX_QUEUED_BUFFERS
+                    or transport.get_write_buffer_size() > self.service.config.max_pending_out):
                 self._pause_reading()
 
     def _send_error(self, rid: int, name: str, exc: BaseException, t0: float = 0.0) -> None:
