@@ -644,7 +644,8 @@ class AsyncKVClient:
         Over several servers, a lookup answers from those that did: a key of a server that
         failed (down, silent, refusing) counts as missing, so the answer is what can be fetched
         now, and a warning is logged (once per server per minute). It raises only when no
-        server answered.
+        server answered. Leases such a server took before it failed are given back in the
+        background; ``close()`` gives that a second, after which they end with their time.
         """
         keys = _checked_keys(keys)
         if not keys:

@@ -83,6 +83,9 @@ def test_settings_defaults_and_namespace() -> None:
     assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3/p2"
     assert (settings.token, settings.tls, settings.lease_ms) == (None, None, None)
     assert not settings.flush_on_reset and not settings.remote_decode_dedup and settings.shm is None
+    nulls = KVStoreSettings.from_config(offloading_config({  # (a template's null: the default)
+        "kvstore_flush_on_reset": None, "kvstore_remote_decode_dedup": None, "kvstore_shm": None}))
+    assert (nulls.flush_on_reset, nulls.remote_decode_dedup, nulls.shm) == (False, False, None)
     long_name = default_namespace(offloading_config(model="/models/" + "x" * 300))
     assert long_name.startswith("vllm/") and len(long_name) <= 256
 

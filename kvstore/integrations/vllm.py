@@ -197,10 +197,9 @@ class KVStoreSettings:
             tls_server_name=server_name,
             timeout=float(extra.get("kvstore_timeout", DEFAULT_TIMEOUT_S)),
             lease_ms=None if lease is None else int(lease),
-            flush_on_reset=_parse_bool(extra.get("kvstore_flush_on_reset", False), "kvstore_flush_on_reset"),
-            remote_decode_dedup=_parse_bool(extra.get("kvstore_remote_decode_dedup", False),
-                                            "kvstore_remote_decode_dedup"),
-            shm=None if extra.get("kvstore_shm") is None else _parse_bool(extra["kvstore_shm"], "kvstore_shm"),
+            flush_on_reset=bool(_parse_bool(extra, "kvstore_flush_on_reset")),
+            remote_decode_dedup=bool(_parse_bool(extra, "kvstore_remote_decode_dedup")),
+            shm=_parse_bool(extra, "kvstore_shm"),
         )
 
     def client(self, timeout: float | None = None) -> KVClient:
@@ -276,9 +275,13 @@ def _parse_addr(value: Any) -> str | tuple[str, ...]:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _parse_bool(value: Any, name: str) -> bool:
-    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``, JSON booleans); anything
-    else is a ValueError: a typo must not quietly mean false (``kvstore_shm: "ture"``)."""
+def _parse_bool(extra: Mapping[str, Any], name: str) -> bool | None:
+    """The setting ``name``: ``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``,
+    JSON booleans), None when absent or null (its default); anything else is a ValueError: a typo
+    must not quietly mean false (``kvstore_shm: "ture"``)."""
+    value = extra.get(name)
+    if value is None:
+        return None
     text = str(value).strip().lower() if isinstance(value, (str, bool, int)) else None
     if text in _TRUE:
         return True
