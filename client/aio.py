@@ -250,11 +250,18 @@ class _Node:
         step = self.max_batch
         return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
+    @property
+    def limits_known(self) -> bool:
+        """Whether an open connection's HELLO has told this server's limits (and arena): once none
+        is open, the next may reach a server restarted with others (a smaller --max-batch)."""
+        return self.hello_seen and any(not c.closed for c in self.conns)
+
     async def ready(self, idempotent: bool = True) -> None:
-        """Before this server's first request: a PING, so that its HELLO's limits (and arena) shape
-        how the request is cut. Its attempts are the request's (a failure here is the request's
-        failure); a round trip more, once per server."""
-        if not self.hello_seen:
+        """Before a request to this server is cut, when no open connection has told its limits
+        (its first request, or after its connections closed): a PING, so that a HELLO's limits
+        (and arena) shape the cut. Its attempts are the request's (a failure here is the request's
+        failure); a round trip more, once per server and reconnection."""
+        if not self.limits_known:
             await self.call(Ping(), idempotent=idempotent)
 
     def _at_home(self) -> bool:
@@ -790,7 +797,7 @@ class AsyncKVClient:
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
         unready: dict[_Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
-        if not all(node.hello_seen for node in self.nodes):  # (a first call: the parts follow the limits)
+        if not all(node.limits_known for node in self.nodes):  # (a first call: the parts follow the limits)
             nodes = [node for node, _ in self._groups(keys)]
             for node, r in zip(nodes, await asyncio.gather(*(n.ready(not unpin) for n in nodes), return_exceptions=True)):
                 if isinstance(r, KVStoreError):

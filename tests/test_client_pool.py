@@ -681,3 +681,20 @@ async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_f
         assert await _leases([a]) == [sum(ring.nodes[ring.node_of(k)] == a.addr for k in keys[:n])]
     finally:
         await kv.close()
+
+
+async def test_a_server_restarted_with_smaller_limits_gets_requests_cut_to_them(make_server: MakeServer) -> None:
+    """The first call after the restart was cut to the old server's limits: TooLarge ("batch of 10
+    keys is over the limit of 4"), where README promises a call too big for one request goes out
+    as several."""
+    first = make_server("--capacity", "8MiB")
+    keys = [key(i, "smaller-limits") for i in range(10)]
+    async with AsyncKVClient(first.addr, namespace="p") as kv:
+        assert (await kv.put(keys[:2], [b"x"] * 2)).stored == 2
+        port = first.port
+        first.stop()
+        make_server("--capacity", "8MiB", "--port", str(port), "--max-batch", "4")
+        await asyncio.sleep(0.2)  # (the client's loop sees its connections close)
+        assert (await kv.put(keys, [bytes([i]) * 100 for i in range(10)])).stored == 10
+        assert await kv.lookup(keys) == 10 and await kv.exists(keys) == [True] * 10
+        assert [bytes(b) for b in await kv.get(keys)] == [bytes([i]) * 100 for i in range(10)]
