@@ -635,10 +635,18 @@ async def test_a_server_lost_mid_put_leaves_no_unread_failure_behind() -> None:
                 first = conn._can_write
                 assert first is not None
                 os.kill(srv.proc.pid, signal.SIGCONT)
-                for _ in range(100000):  # drained once and full again: the put now waits for its reply
+                for _ in range(100000):  # drained once ...
                     await asyncio.sleep(0)
+                    if conn._can_write is not first:
+                        break
+                # ... and full again (stopped once more: a server reading faster than this client
+                # writes never filled the socket again, and the put could end before the kill)
+                os.kill(srv.proc.pid, signal.SIGSTOP)
+                for _ in range(100):
+                    await asyncio.sleep(0.01)
                     if conn._can_write not in (None, first):
                         break
+                assert conn._can_write not in (None, first)
                 os.kill(srv.proc.pid, signal.SIGKILL)
                 assert not put.done()
                 with pytest.raises(TransportError):
