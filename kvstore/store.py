@@ -357,10 +357,11 @@ class BlockStore:
         Raises:
             InvalidRequest: not a reservation of this store.
         """
-        self._check_own(res)
-        if res._open:
-            self._close(res)
-            self._arena.free(res._extent)
+        if not res._open:
+            self._check_own(res)  # (_close checks it otherwise)
+            return
+        self._close(res)
+        self._arena.free(res._extent)
 
     def put(self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None) -> bool:
         """reserve + copy + commit, for tests and promotion from a lower tier.
