@@ -225,7 +225,7 @@ class _Node:
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
-        self.lookup_failed_told = -math.inf  # when a log line last said a lookup went on without it
+        self.failed_told = -math.inf  # when a log line last said a lookup (or exists) went on without it
         self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
         self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
 
@@ -688,7 +688,7 @@ class AsyncKVClient:
         first_missing = len(keys)
         dropping = False
         try:
-            shares = await self._answered(keys, one)
+            shares = await self._answered(keys, one, "a lookup")
             failed = {node for node, _, n in shares if n is None}
             for _, idx, n in shares:
                 if n is None:  # (its server failed)
@@ -710,9 +710,9 @@ class AsyncKVClient:
             raise
         return first_missing
 
-    async def _answered(self, keys: Sequence[bytes], one: Callable[[_Node, Sequence[int]], Awaitable[int]],
-                        ) -> list[tuple[_Node, Sequence[int], int | None]]:
-        """Each server, its share of a lookup and its answer, None for a server that failed (a
+    async def _answered(self, keys: Sequence[bytes], one: Callable[[_Node, Sequence[int]], Awaitable[T]],
+                        what: str) -> list[tuple[_Node, Sequence[int], T | None]]:
+        """Each server, its share of ``keys`` and its answer, None for a server that failed (a
         ``KVStoreError``) while another answered; raises when none did."""
         groups = self._groups(keys)
         if len(groups) == 1:
@@ -727,9 +727,9 @@ class AsyncKVClient:
             raise failures[0]
         now = time.monotonic()
         for (node, _), r in zip(groups, results):
-            if isinstance(r, KVStoreError) and now - node.lookup_failed_told > 60:
-                node.lookup_failed_told = now
-                log.warning("a lookup goes on without %s, its keys counted as missing: %s", node.addr, r)
+            if isinstance(r, KVStoreError) and now - node.failed_told > 60:
+                node.failed_told = now
+                log.warning("%s goes on without %s, its keys counted as missing: %s", what, node.addr, r)
         return [(node, idx, None if isinstance(r, BaseException) else r) for (node, idx), r in zip(groups, results)]
 
     def _unpin_orphan(self, node: _Node, part: list[bytes], resp: Response) -> None:
@@ -853,8 +853,29 @@ class AsyncKVClient:
         return out
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are stored, in key order.
+
+        Over several servers, as with ``lookup``: a key of a server that failed counts as absent
+        (it cannot be read now; an engine asking what to store stores it again, and that put
+        reports the server's failure), a warning is logged, and it raises only when no server
+        answered. ``stats()`` and ``flush()`` answer only for every server."""
         keys = _checked_keys(keys)
-        return await self._bools(keys, lambda sub: Exists(keys=sub), "present")
+        if not keys:
+            return []
+
+        async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
+            await node.ready()
+            out: list[bool] = []
+            for run in node.key_runs(len(idx)):
+                resp = await node.call(Exists(keys=_pick(keys, idx[run.start:run.stop])))
+                out += replies.bools(resp.fields.get("present"), len(run), "present")
+            return out
+
+        present = [False] * len(keys)
+        for _, idx, vals in await self._answered(keys, one, "an exists"):
+            for i, v in zip(idx, vals or ()):
+                present[i] = v
+        return present
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Delete blocks; returns how many were present."""
@@ -871,14 +892,26 @@ class AsyncKVClient:
         return sum(replies.count(r.fields, "n") for r in resps)
 
     async def stats(self) -> dict[str, Any]:
-        """The server's statistics; with several servers, ``{"servers": {addr: stats}}``."""
-        resps = await asyncio.gather(*(n.call(Stats()) for n in self.nodes))
-        stats = [r.fields.get("stats") for r in resps]
-        if any(not isinstance(s, dict) for s in stats):
-            raise ProtocolError("malformed STATS reply")
+        """The server's statistics; with several servers, ``{"servers": {addr: stats}}``, and
+        ``"errors": {addr: message}`` for those that failed (it raises only when none answered:
+        a dashboard of four servers should show the three that are up)."""
+        async def one(node: _Node) -> dict[str, Any]:
+            st = (await node.call(Stats())).fields.get("stats")
+            if not isinstance(st, dict):
+                raise ProtocolError(f"malformed STATS reply from {node.addr}")
+            return st
+
         if len(self.nodes) == 1:
-            return stats[0]  # type: ignore[return-value]
-        return {"servers": {n.addr: s for n, s in zip(self.nodes, stats)}}
+            return await one(self.nodes[0])
+        results = await asyncio.gather(*(one(n) for n in self.nodes), return_exceptions=True)
+        failed = {n.addr: r for n, r in zip(self.nodes, results) if isinstance(r, BaseException)}
+        for r in failed.values():
+            if not isinstance(r, KVStoreError) or len(failed) == len(self.nodes):  # (a cancel, a bug; or none answered)
+                raise r
+        out: dict[str, Any] = {"servers": {n.addr: r for n, r in zip(self.nodes, results) if n.addr not in failed}}
+        if failed:
+            out["errors"] = {addr: f"{type(r).__name__}: {r}" for addr, r in failed.items()}
+        return out
 
     async def ping(self) -> float:
         """Round-trip time in seconds (the slowest server's, when several)."""
@@ -891,21 +924,6 @@ class AsyncKVClient:
         if len(self.nodes) == 1:  # (a gather's task would add its loop turns, ~50 us here, to the time)
             return await one(self.nodes[0])
         return max(await asyncio.gather(*(one(n) for n in self.nodes)))
-
-    async def _bools(self, keys: list[bytes], make: Callable[[list[bytes]], Message], name: str) -> list[bool]:
-        async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
-            await node.ready()
-            out: list[bool] = []
-            for run in node.key_runs(len(idx)):
-                resp = await node.call(make(_pick(keys, idx[run.start:run.stop])))
-                out += replies.bools(resp.fields.get(name), len(run), name)
-            return out
-
-        out = [False] * len(keys)
-        for idx, vals in await self._per_node(keys, one):
-            for i, v in zip(idx, vals):
-                out[i] = v
-        return out
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
         async def one(node: _Node, idx: Sequence[int]) -> int:

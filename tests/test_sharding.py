@@ -133,3 +133,33 @@ async def test_a_lookup_answers_from_the_servers_that_answer(make_server) -> Non
                 s.stop()
         with pytest.raises(TransportError, match=r"127\.0\.0\.1:\d+"):  # (naming a server)
             await kv.lookup(keys)  # no server answered
+
+
+async def test_exists_and_stats_answer_from_the_servers_that_answer(make_server) -> None:
+    """With a server down, exists() failed whole, so the vLLM adapter's prepare_store (which asks
+    it) stored nothing on any server, and stats() showed none of them. exists() now answers as a
+    lookup does (the failed server's keys absent); stats() lists the failed server apart."""
+    from kvstore.errors import TransportError
+
+    servers = [make_server("--capacity", MEM) for _ in range(3)]
+    addrs = [s.addr for s in servers]
+    ring = Ring(addrs)
+    keys = chain(30, "exists")
+    async with AsyncKVClient(addrs, namespace="sh", retries=0, connect_timeout=2) as kv:
+        await kv.put(keys[:20], [k * 10 for k in keys[:20]])
+        assert await kv.exists([]) == []
+        servers[1].stop()
+        on_live = [ring.node_of(k) != 1 for k in keys]
+        assert 0 < sum(on_live) < len(keys)
+        assert await kv.exists(keys) == [i < 20 and live for i, live in enumerate(on_live)]
+        st = await kv.stats()
+        assert sorted(st["servers"]) == sorted([addrs[0], addrs[2]])
+        assert list(st["errors"]) == [addrs[1]] and "TransportError" in st["errors"][addrs[1]]
+        stored = sum(s["namespaces"]["sh"]["blocks"] for s in st["servers"].values())
+        assert stored == sum(on_live[:20])
+        servers[0].stop()
+        servers[2].stop()
+        with pytest.raises(TransportError):
+            await kv.exists(keys)  # no server answered
+        with pytest.raises(TransportError):
+            await kv.stats()

@@ -265,6 +265,29 @@ def test_an_unreachable_server_reads_as_empty(make_server: Any) -> None:
     m.shutdown()
 
 
+def test_with_one_of_two_servers_down_the_other_still_stores_and_hits(make_server: Any) -> None:
+    """prepare_store's EXISTS failed whole while any server was down, so no server got a block."""
+    from kvstore.client.sharding import Ring
+
+    servers = [make_server("--capacity", "1MiB") for _ in range(2)]
+    addrs = [s.addr for s in servers]
+    client = KVClient(addrs, namespace="parts", retries=0, connect_timeout=2)
+    client.connect()
+    m = KVStoreOffloadingManager(client, groups=(GROUP,), blocks_per_chunk=3)
+    chain = keys(12)
+    on_live = [Ring(addrs).node_of(store_key(k, 0)) == 0 for k in chain]
+    assert any(on_live) and not all(on_live)
+    with KVClient(addrs[0], namespace="parts") as live:
+        live.put([store_key(k, 0) for k, up in zip(chain, on_live) if up][:1], [b"x"])
+    servers[1].stop()
+    out = m.prepare_store(chain, context("r", chain))
+    assert out is not None  # (was None: nothing stored anywhere)
+    first_live = on_live.index(True)
+    assert out.keys_to_store == chain[:first_live] + chain[first_live + 1:]  # all but the one present
+    m.complete_store(out.keys_to_store, context("r", chain))
+    m.shutdown()
+
+
 # --------------------------------------------------------------------------- the worker
 
 NUM_BLOCKS = 16
