@@ -265,7 +265,7 @@ def test_an_unreachable_server_reads_as_empty(make_server: Any) -> None:
     m.shutdown()
 
 
-def test_with_one_of_two_servers_down_the_other_still_stores_and_hits(make_server: Any) -> None:
+def test_with_one_of_two_servers_down_the_other_still_gets_its_stores(make_server: Any) -> None:
     """prepare_store's EXISTS failed whole while any server was down, so no server got a block."""
     from kvstore.client.sharding import Ring
 
