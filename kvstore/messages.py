@@ -298,6 +298,13 @@ REQUESTS: dict[int, type[Message]] = {
                             ShmAttach, ShmGet, ShmPut, ShmCommit, ShmRelease)
 }
 
+#: Each request's name, as the server's counters, logs and metrics label it.
+OP_NAMES: dict[type[Message], str] = {
+    Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists", Delete: "delete",
+    Unpin: "unpin", Stats: "stats", Flush: "flush", ShmAttach: "shm_attach", ShmGet: "shm_get", ShmPut: "shm_put",
+    ShmCommit: "shm_commit", ShmRelease: "shm_release",
+}
+
 REPLY_BIT = 0x80
 ERROR_OP = 0xFF
 

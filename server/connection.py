@@ -27,6 +27,7 @@ from kvstore.protocol import (
     Delete, Exists, Flush, Frame, FrameReader, Get, Hello, Limits, Lookup, NEED_DATA, PayloadDone, Ping, Put,
     Stats, Unpin, error_reply, foreign_reply, reply,
 )
+from kvstore.messages import OP_NAMES
 from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
 from kvstore.sockets import tune
 from kvstore.store import BlockRef
@@ -41,11 +42,6 @@ log = logging.getLogger(__name__)
 #: ``max_pending_out`` bounds their bytes: a GET of many small (or repeated) blocks queues one
 #: buffer and one pin per key in a few bytes, and uvloop fails a transport holding ~2**20 buffers.
 MAX_QUEUED_BUFFERS = 1 << 16
-
-_OP_NAMES = {Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists",
-             Delete: "delete", Unpin: "unpin", Stats: "stats", Flush: "flush",
-             ShmAttach: "shm_attach", ShmGet: "shm_get", ShmPut: "shm_put", ShmCommit: "shm_commit",
-             ShmRelease: "shm_release"}
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -184,7 +180,7 @@ class Connection(asyncio.BufferedProtocol):
     def _on_frame(self, frame: Frame) -> None:
         t0 = time.perf_counter()
         msg = frame.msg
-        name = _OP_NAMES.get(type(msg), "invalid")
+        name = OP_NAMES.get(type(msg), "invalid")
         try:
             self.service.check_allowed(self.session, frame.op)
             if frame.error is not None or msg is None:

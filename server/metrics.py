@@ -12,10 +12,15 @@ costs several times that).
 Why on the event loop instead of ``prometheus_client.start_http_server``: that
 server runs in a thread, and a scrape would then read dicts the loop is
 mutating. Here a scrape runs between two callbacks and sees one consistent
-state. The listener is a few dozen lines of HTTP/1.0 for three paths:
+state. The listener is a few dozen lines of HTTP/1.0 for four paths:
 
 ``/metrics``  the Prometheus text exposition.
-``/healthz``  readiness: 200 ``{"status": "ok"}`` while serving with a healthy
+``/readyz``   readiness: 200 while serving (a degraded tier too: memory still
+              answers), 503 while draining. A Kubernetes Service drops a pod
+              that is not ready, and clients place keys by server, not through
+              a load balancer: a readiness that followed Redis would turn a
+              Redis outage into a kvstore outage.
+``/healthz``  health: 200 ``{"status": "ok"}`` while serving with a healthy
               backing tier, 503 while draining or while the tier is degraded.
 ``/livez``    liveness: 200 whenever the event loop answers. Kubernetes
               restarts a pod that fails liveness, and a Redis outage is not
@@ -28,13 +33,15 @@ import asyncio
 import json
 import logging
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstore.messages import OP_NAMES
 
 if TYPE_CHECKING:
     from .service import Service
@@ -90,6 +97,16 @@ class LatencyHistograms:
         return out
 
 
+#: The ``op`` label's values: each request, a well-framed invalid one, a connection closed for bytes that are no frame.
+OPS_COUNTED = (*OP_NAMES.values(), "invalid", "malformed")
+#: What a PUT's block can fail with (its per-key status), as ``kvstore_put_failed_blocks`` names it.
+PUT_BLOCK_ERRORS = ("CapacityError", "InvalidRequest", "TooLarge", "Unavailable")
+
+
+def _with_zeros(counts: dict[str, int], names: Iterable[str]) -> dict[str, int]:
+    return {**dict.fromkeys(names, 0), **counts}
+
+
 class KVStoreCollector:
     """Reads the service's snapshot at scrape time and yields the ``kvstore_*`` families."""
 
@@ -109,16 +126,18 @@ class KVStoreCollector:
 
     @staticmethod
     def _traffic(snap: dict[str, Any]) -> Iterator[Metric]:
+        # Every known label value from the start, at 0: a series born at its first event hides that
+        # event from rate() and increase(), and an alert on a first burst of failures never fires.
         req = CounterMetricFamily("kvstore_requests", "Requests answered, by op", labels=["op"])
-        for op, n in sorted(snap["requests"].items()):
+        for op, n in sorted(_with_zeros(snap["requests"], OPS_COUNTED).items()):
             req.add_metric([op], n)
         err = CounterMetricFamily("kvstore_errors", "Requests answered with an error, by op", labels=["op"])
-        for op, n in sorted(snap["errors"].items()):
+        for op, n in sorted(_with_zeros(snap["errors"], OPS_COUNTED).items()):
             err.add_metric([op], n)
         failed = CounterMetricFamily("kvstore_put_failed_blocks",
                                      "Blocks PUTs answered as not stored (the PUT itself succeeds), by error",
                                      labels=["error"])
-        for name, n in sorted(snap.get("put_failed_blocks", {}).items()):
+        for name, n in sorted(_with_zeros(snap.get("put_failed_blocks", {}), PUT_BLOCK_ERRORS).items()):
             failed.add_metric([name], n)
         yield req
         yield err
@@ -230,14 +249,15 @@ def make_registry(service: Service) -> CollectorRegistry:
     return registry
 
 
-def health(service: Service, draining: bool) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body) of ``/healthz``: ready to serve, with a healthy tier if there is one."""
+def health(service: Service, draining: bool, *, ready_only: bool = False) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of ``/healthz``: serving, with a healthy tier if there is one; of
+    ``/readyz`` (``ready_only``): serving."""
     tier = service.tier.stats() if service.tier is not None else None
     tier_state = None if tier is None else str(tier.get("state", "unknown"))
     if draining:
         return 503, {"status": "draining", "tier": tier_state}
     if tier_state is not None and tier_state != "ok":
-        return 503, {"status": "degraded", "tier": tier_state}
+        return (200 if ready_only else 503), {"status": "degraded", "tier": tier_state}
     return 200, {"status": "ok", "tier": tier_state}
 
 
@@ -247,7 +267,7 @@ _READ_TIMEOUT = 5.0
 
 
 class MetricsServer:
-    """A minimal HTTP/1.0 listener for ``/metrics``, ``/healthz`` and ``/livez``.
+    """A minimal HTTP/1.0 listener for ``/metrics``, ``/readyz``, ``/healthz`` and ``/livez``.
 
     Every response closes its connection (Prometheus and kubelet open one per
     probe); a request head must arrive within 5 s and 8 KiB.
@@ -298,12 +318,12 @@ class MetricsServer:
         route = path.split("?", 1)[0]
         if route == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        if route == "/healthz":
-            status, body = health(self.service, self.draining())
+        if route in ("/healthz", "/readyz"):
+            status, body = health(self.service, self.draining(), ready_only=route == "/readyz")
             return status, "application/json", json.dumps(body).encode() + b"\n"
         if route == "/livez":
             return 200, "application/json", b'{"status": "alive"}\n'
-        return 404, "text/plain", b"try /metrics, /healthz or /livez\n"
+        return 404, "text/plain", b"try /metrics, /readyz, /healthz or /livez\n"
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[str, str]:

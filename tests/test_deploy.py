@@ -187,7 +187,8 @@ def test_kubernetes_manifests_fit_together() -> None:
     assert config.capacity == parse_size(cm["data"]["KVSTORE_CAPACITY"])  # what the pod's memory is sized for
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
     assert ports == {"kvstore": int(cm["data"]["KVSTORE_PORT"]), "metrics": int(cm["data"]["KVSTORE_METRICS_PORT"])}
-    assert ctr["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # ready while Redis is degraded: a readiness on /healthz took the Service's only endpoint away
+    assert ctr["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
     assert ctr["resources"]["limits"]["memory"] == ctr["resources"]["requests"]["memory"]
     assert ctr["securityContext"]["readOnlyRootFilesystem"] and not ctr["securityContext"]["allowPrivilegeEscalation"]
@@ -227,6 +228,8 @@ def test_dashboard_uses_only_metrics_the_server_exports(make_server, metrics_url
     missing = used - exported - set(TIER_METRICS)
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
     assert set(TIER_METRICS) & used  # and it shows the tier
+    # process_* series come from every Python (or Go) target Prometheus scrapes: count kvstore's only
+    assert all("and on(instance) kvstore_build_info" in e for e in exprs if "process_" in e)
     (provisioned,) = docs(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
     assert provisioned["datasources"][0]["type"] == "prometheus"
     assert any(v["type"] == "datasource" and v["name"] == "datasource" for v in dash["templating"]["list"])
