@@ -90,6 +90,30 @@ def _make_store(config: ServerConfig) -> BlockStore:
         return make(False)
 
 
+def _listen_error(host: str, port: int, flag: str, exc: OSError) -> StartupError:
+    """An unknown or foreign host is --host's fault, the rest the port flag's."""
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return StartupError(f"--host {host}: cannot listen on {host}:{port}: {_reason(exc)}")
+    return StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {_reason(exc)}")
+
+
+def _check_bindable(host: str, port: int | None, flag: str) -> None:
+    """Fail now if ``host:port`` cannot be bound (in use, foreign host), not after ``--capacity``
+    is pre-faulted: minutes for a large one, and again at every restart by a supervisor."""
+    if not port:  # (off, or any free port)
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+    except OSError as exc:
+        raise _listen_error(host, port, flag, exc) from None
+
+
 #: Signals that stop the server gracefully (drain, flush the write-behind queue, exit 0).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -102,6 +126,8 @@ class Server:
         tokens = _load_tokens(config.token_file)
         self.tls = _tls_context(config)
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
+        _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
+        _check_bindable(config.host, config.metrics_port, "--metrics-port")
         try:
             self.store = _make_store(config)
         except (OSError, MemoryError) as exc:
@@ -163,10 +189,8 @@ class Server:
             srv = await asyncio.get_running_loop().create_server(
                 self._new_connection, host, port, reuse_address=True, backlog=1024, ssl=self.tls,
                 ssl_handshake_timeout=handshake_timeout)
-        except OSError as exc:  # an unknown or foreign host is --host's fault, the rest --port's
-            flag = f"--host {host}" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
-                else f"--port {port}"
-            raise StartupError(f"{flag}: cannot listen on {host}:{port}: {_reason(exc)}") from None
+        except OSError as exc:
+            raise _listen_error(host, port, "--port", exc) from None
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
 
@@ -206,8 +230,7 @@ class Server:
         try:
             port = await self.metrics.start()
         except OSError as exc:
-            raise StartupError(f"--metrics-port {self.config.metrics_port}: cannot listen on "
-                               f"{self.config.host}:{self.config.metrics_port}: {_reason(exc)}") from None
+            raise _listen_error(self.config.host, self.config.metrics_port, "--metrics-port", exc) from None
         log.info("metrics served at http://%s:%d/metrics (health: /healthz, /livez)", self.config.host, port,
                  extra={"event": "metrics_started", "metrics_port": port})
 

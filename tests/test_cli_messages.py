@@ -66,6 +66,15 @@ def test_a_port_in_use_names_the_flag_and_address_and_exits_2(taken_port: int) -
         f"kvstore-server: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
 
 
+def test_a_port_in_use_fails_before_the_capacity_is_pre_faulted(taken_port: int) -> None:
+    """It failed only after --capacity was faulted in: 7 s and 3 GiB of RSS for 3 GiB, at every
+    restart by a supervisor."""
+    for flag in ("--port", "--metrics-port"):
+        r = server_run(flag, str(taken_port), "--capacity", "64MiB", "--log-level", "info")
+        assert r.returncode == 2 and f"{flag} {taken_port}: cannot listen" in r.stderr
+        assert "pre-faulting" not in r.stderr
+
+
 def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int, tmp_path: Path) -> None:
     sock = tmp_path / "kv.sock"
     r = server_run("--metrics-port", str(taken_port), "--unix", str(sock))
@@ -76,17 +85,24 @@ def test_a_metrics_port_in_use_is_named_not_the_tcp_address(taken_port: int, tmp
     assert not sock.exists()  # what was bound before the failure is released (the socket file was left)
 
 
-async def test_a_start_that_cannot_listen_closes_the_tier_it_started(taken_port: int) -> None:
-    """(In process: the CLI's exit would end the tier's tasks anyway; an embedding program's would run on.)"""
+async def test_a_start_that_cannot_listen_closes_the_tier_it_started() -> None:
+    """(In process: the CLI's exit would end the tier's tasks anyway; an embedding program's would run on.)
+    The port is taken after the server was made (which checks it), before it listens."""
     import asyncio
 
     from kvstore.config import ServerConfig
     from kvstore.server.app import Server, StartupError
 
-    server = Server(ServerConfig(host="127.0.0.1", port=taken_port, capacity=1 << 20, prefault=False,
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = Server(ServerConfig(host="127.0.0.1", port=port, capacity=1 << 20, prefault=False,
                                  redis="redis://127.0.0.1:1/0", redis_mode="write-behind"))
-    with pytest.raises(StartupError, match=f"--port {taken_port}"):
-        await server.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        with pytest.raises(StartupError, match=f"--port {port}"):
+            await server.start()
     await asyncio.sleep(0)
     assert [t.get_name() for t in asyncio.all_tasks() if t.get_name() == "redis-write-behind"] == []
 
