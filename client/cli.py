@@ -168,12 +168,12 @@ def parse_key(text: str) -> bytes:
     return key
 
 
-def read_token(path: str | None) -> str | None:
-    """The first line of a token file that is neither blank nor a ``#`` comment."""
+def read_token(path: str | None, namespace: str | None = None) -> str | None:
+    """The token a token file holds for ``namespace`` (:func:`read_token_file`)."""
     if not path:
         return None
     try:
-        return read_token_file(path)
+        return read_token_file(path, namespace)
     except OSError as exc:  # (named with its flag: the path alone does not say which file it was)
         raise Failure(f"--token-file {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -195,7 +195,7 @@ def make_client(args: argparse.Namespace) -> AsyncKVClient:
     except InvalidRequest as exc:
         raise UsageError(str(exc)) from None
     tls = _tls(args)
-    token = read_token(args.token_file)
+    token = read_token(args.token_file, args.namespace)
     try:
         return AsyncKVClient(args.addr, namespace=args.namespace, token=token, tls=tls,
                              pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,

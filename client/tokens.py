@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 
-def read_token_file(path: str | Path) -> str:
-    """The first line of a token file that is neither blank nor a ``#`` comment, stripped.
+def read_token_file(path: str | Path, namespace: str | None = None) -> str:
+    """A client's token from a token file: its first line that is neither blank nor a ``#`` comment,
+    stripped -- or, given the client's ``namespace``, the first entry that covers it when the file
+    is written as the server's ``--token-file`` (``TOKEN`` or ``NAMESPACE_GLOB:TOKEN`` lines): a
+    container that sets ``KVSTORE_TOKEN_FILE`` for its server hands the same file to a
+    ``kvstore-cli`` run inside it. A file with no such entry gives its first line whole.
 
     Read as the server reads its ``--token-file``: UTF-8, a byte-order mark dropped (an editor's
     BOM would otherwise become part of the token), any line ending.
@@ -19,7 +24,14 @@ def read_token_file(path: str | Path) -> str:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file of tokens (not UTF-8)") from None
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            return line.strip()
-    raise ValueError(f"{path}: holds no token")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"{path}: holds no token")
+    if namespace is not None:
+        for line in lines:
+            pattern, sep, token = line.partition(":")
+            if not sep:  # (a bare token: every namespace)
+                return line
+            if token and fnmatchcase(namespace, pattern):
+                return token
+    return lines[0]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import AsyncKVClient
+from kvstore.client.tokens import read_token_file
 from kvstore.errors import PROTOCOL_ERROR_CODE, InvalidRequest, TransportError, Unauthorized, Unavailable
 from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, encode
 
@@ -311,6 +312,24 @@ async def test_a_token_file_saved_with_a_byte_order_mark_reads_as_without(make_s
     r = subprocess.run([str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr,
                         "--token-file", str(path), "ping"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "PONG" in r.stdout, r.stderr
+
+
+def test_the_cli_takes_its_namespaces_token_from_a_server_token_file(make_server, tmp_path: Path) -> None:
+    """A container that sets KVSTORE_TOKEN_FILE for its server hands kvstore-cli the same file: the
+    CLI sent its first entry whole (`llama/*:TOKEN`) and was refused in every namespace."""
+    path = tmp_path / "server-tokens"
+    path.write_text(f"# scoped first\nllama/*:{NS_TOKEN}\nqwen/*:other\n{TOKEN}\n")
+    srv = make_server("--capacity", "8MiB", "--token-file", str(path))
+    cli = [str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr, "--token-file", str(path)]
+    for ns in ("llama/a", "mistral"):  # a scoped entry covers the first; the bare token the other
+        r = subprocess.run([*cli, "-n", ns, "put", "00" * 16, "-"], input="v", capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr
+    assert read_token_file(path, "llama/a") == NS_TOKEN and read_token_file(path, "x") == TOKEN
+    assert read_token_file(path) == f"llama/*:{NS_TOKEN}"  # (no namespace: the first line, as before)
+    own = tmp_path / "own"
+    own.write_text("tok:with:colons\n")  # a client file whose token has colons reads whole
+    assert read_token_file(own, "default") == "tok:with:colons"
 
 
 def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(make_server, token_file: Path) -> None:

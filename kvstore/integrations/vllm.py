@@ -177,7 +177,7 @@ class KVStoreSettings:
             raise ValueError("give kvstore_token or kvstore_token_file, not both")
         if token_file is not None:  # (read as kvstore-cli reads --token-file)
             try:
-                token = read_token_file(token_file)
+                token = read_token_file(token_file, namespace)
             except OSError as exc:
                 raise ValueError(f"kvstore_token_file {token_file}: {exc.strerror or exc}") from None
             except ValueError as exc:
