@@ -228,6 +228,9 @@ class _Node:
         self.failed_told = -math.inf  # when a log line last said a lookup (or exists) went on without it
         self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
         self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
+        self.down_until = -math.inf  # quarantined until (the client's ``quarantine``), after ...
+        self.down_error: TransportError | None = None  # ... this failure,
+        self.failures = 0  # the latest of so many in a row
 
     def batches(self, sizes: Sequence[int]) -> list[range]:
         """A batch cut into consecutive runs within the server's payload and key limits: one
@@ -354,23 +357,43 @@ class _Node:
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
         """
         c = self.client
+        self.check_up()
         attempts = 1 + (c.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
                 conn = await self.connection()
                 request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
-                if orphan is None:
-                    return await request
-                return await _kept(request, orphan)
+                resp = await request if orphan is None else await _kept(request, orphan)
+                self.failures = 0
+                return resp
             except RequestTimeout:
-                raise RequestTimeout(f"{self.addr} did not answer within {c.timeout}s") from None
+                raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
             except TransportError as exc:
                 if attempt == attempts - 1 or c.closed:
-                    if c.closed or self.addr in str(exc):
+                    if c.closed:
                         raise
-                    raise type(exc)(f"{self.addr}: {exc}") from exc  # ("connection lost": which server's?)
+                    if self.addr in str(exc):
+                        raise self.failed(exc)
+                    raise self.failed(type(exc)(f"{self.addr}: {exc}")) from exc  # ("connection lost": whose?)
                 await asyncio.sleep(c.backoff * 2**attempt)
         raise AssertionError("unreachable")
+
+    def check_up(self) -> None:
+        """Raise at once while the server is quarantined (the client's ``quarantine``)."""
+        if self.down_error is not None and time.monotonic() < self.down_until:
+            raise TransportError(f"{self.addr} is not asked for {self.down_until - time.monotonic():.1f}s more "
+                                 f"(quarantine) after: {self.down_error}")
+
+    def failed(self, exc: TransportError) -> TransportError:
+        """Note a call that failed for good: with a ``quarantine``, the server is not asked for a while
+        (calls that fail while it is already quarantined, having started before, do not extend it)."""
+        q = self.client.quarantine
+        now = time.monotonic()
+        if q and now >= self.down_until:
+            self.failures += 1
+            self.down_until, self.down_error = now + q * 2 ** min(self.failures - 1, 3), exc
+            log.warning("%s failed (%s): not asked for %.1fs", self.addr, exc, self.down_until - now)
+        return exc
 
     async def close(self) -> None:
         opening, self.opening = self.opening, set()
@@ -423,6 +446,12 @@ class AsyncKVClient:
             however many calls share the client: they wait for the same connects.
         retries: retries of a request after a transport error (never of a pinning lookup,
             an unpinning get or an unpin: the server may have run them already).
+        quarantine: seconds a server that timed out or could not be reached is not asked:
+            calls to it fail at once with ``TransportError`` (over several servers, a lookup
+            or exists answers from the others at once), then the next call tries it again;
+            each failure in a row doubles the time, up to 8x. For a cache whose caller must
+            not wait a timeout per request on a server that stopped answering (an engine's
+            scheduler); 0 (default): every call tries.
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).
         shm: map the server's block arena and copy payloads through it (``docs/shm.md``):
             ``None`` (default) when connected over the Unix socket, ``True`` also from a
@@ -439,7 +468,7 @@ class AsyncKVClient:
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", *, namespace: str = "default",
                  token: str | None = None, tls: ssl.SSLContext | bool | str | None = None, pool_size: int = 4,
                  timeout: float = 30.0, connect_timeout: float | None = 5.0, retries: int = 2, backoff: float = 0.05,
-                 verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
+                 quarantine: float = 0.0, verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
                  shm: bool | None = None, recycle_bytes: int = 256 << 20, split_bytes: int = 16 << 20) -> None:
         addrs = [addr] if isinstance(addr, str) else _listed(addr, "addr")
         if not addrs:
@@ -461,6 +490,7 @@ class AsyncKVClient:
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.retries = retries
         self.backoff = _seconds("backoff", backoff, zero=True)
+        self.quarantine = _seconds("quarantine", quarantine, zero=True) or 0.0
         for name, value in (("recycle_bytes", recycle_bytes), ("split_bytes", split_bytes)):
             if type(value) is not int or value < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0 (bytes), got {value!r}")

@@ -350,6 +350,7 @@ class ShmChannel:
         """
         c = self.client
         retries = c.retries if retry else 0
+        self.node.check_up()
         for attempt in range(1 + retries):
             try:
                 # (inside the try: a server restarting may refuse the connect, as on the socket path)
@@ -362,17 +363,23 @@ class ShmChannel:
                     # locations from that server would point into a different arena
                     conn.abort(TransportError("connection to another server instance than the mapped arena"))
                     raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
-                return await op(channel, conn)
-            except (RequestTimeout, ShmGone):
-                raise  # like every other call: a timeout is not retried (ShmGone: the socket path takes over)
-            except TransportError:
+                result = await op(channel, conn)
+                self.node.failures = 0
+                return result
+            except RequestTimeout as exc:
+                raise self.node.failed(exc)  # like every other call: a timeout is not retried
+            except ShmGone:
+                raise  # (the socket path takes over)
+            except TransportError as exc:
                 # A put is retried whole: a TransportError means its connection is gone (conn.request
                 # raises one only then), and the server aborts a closed connection's reservations
                 # (server/shm.py, end_session), so no slot of the failed attempt stays reserved; a
                 # commit that ran before its answer was lost has stored the blocks, which the retry
                 # then finds "existed" -- as a socket PUT retried after a lost reply does.
                 if attempt == retries or c.closed:
-                    raise
+                    if c.closed:
+                        raise
+                    raise self.node.failed(exc)
                 await asyncio.sleep(c.backoff * 2**attempt)
         raise AssertionError("unreachable")
 

@@ -698,3 +698,39 @@ async def test_a_server_restarted_with_smaller_limits_gets_requests_cut_to_them(
         assert (await kv.put(keys, [bytes([i]) * 100 for i in range(10)])).stored == 10
         assert await kv.lookup(keys) == 10 and await kv.exists(keys) == [True] * 10
         assert [bytes(b) for b in await kv.get(keys)] == [bytes([i]) * 100 for i in range(10)]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_quarantined_server_is_not_asked_until_its_time_is_up(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """A server that stopped answering cost a scheduler one timeout per request, step after step
+    (vLLM: 8.6 s per step for 4 requests); with ``quarantine`` it costs one, then calls fail at
+    once until the time is up, and each failure in a row doubles it."""
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    assert srv.proc is not None
+    keys = [key(i, "quarantine") for i in range(3)]
+    addr = f"unix:{unix_path}" if transport == "shm" else srv.addr
+    async with AsyncKVClient(addr, namespace="q", timeout=0.5, connect_timeout=0.5, retries=0,
+                             quarantine=0.4) as kv:
+        await kv.put(keys, [b"x" * 3000] * 3)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout):
+                await kv.get(keys)  # (through the arena for shm)
+            for call in (kv.lookup(keys), kv.get(keys), kv.exists(keys), kv.stats()):
+                with pytest.raises(TransportError, match="quarantine"):  # not asked: it did not wait
+                    await call
+            assert kv.nodes[0].failures == 1
+            await asyncio.sleep(0.5)
+            with pytest.raises(TransportError, match="within 0.5s"):  # the time is up: asked again (a new
+                await kv.lookup(keys)  # connection's HELLO, or the old one's request), still silent
+            assert kv.nodes[0].failures == 2  # (quarantined for 0.8 s now)
+            with pytest.raises(TransportError, match="quarantine"):
+                await kv.lookup(keys)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(0.9)
+        assert await kv.lookup(keys) == 3 and kv.nodes[0].failures == 0
+        assert [bytes(b) for b in await kv.get(keys) if b is not None] == [b"x" * 3000] * 3
+    with pytest.raises(Exception, match="quarantine"):
+        AsyncKVClient(srv.addr, quarantine=-1)

@@ -97,11 +97,11 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
         "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
         "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1,
-        "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true"}))
+        "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true", "kvstore_quarantine_s": "2.5"}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
     assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
-    assert settings.tls_server_name == "kvstore.internal" and settings.shm is True
+    assert settings.tls_server_name == "kvstore.internal" and settings.shm is True and settings.quarantine_s == 2.5
     assert "s3cret" not in repr(settings)
 
 
@@ -116,6 +116,9 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_flush_on_reset": "maybe"},
     {"kvstore_remote_decode_dedup": 2},
     {"kvstore_tls_server_name": ""},
+    {"kvstore_quarantine_s": -1},
+    {"kvstore_quarantine_s": "soon"},
+    {"kvstore_quarantine_s": float("nan")},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
@@ -130,9 +133,40 @@ def test_the_clients_connect_and_retry_within_their_timeout(make_server: Any) ->
     client = settings.client()
     try:
         aio = client._aio  # (the blocking client's settings live in its asyncio client)
-        assert (aio.timeout, aio.connect_timeout, aio.retries) == (3.0, 1.0, 2)
+        assert (aio.timeout, aio.connect_timeout, aio.retries, aio.quarantine) == (3.0, 1.0, 2, 0.0)
     finally:
         client.close()
+
+
+def test_a_silent_server_costs_the_scheduler_one_timeout_not_one_per_request(make_server: Any) -> None:
+    """A paused server cost each lookup, and each prepare_store's EXISTS, kvstore_timeout, every
+    step (vLLM: 8.6 s per step for 4 requests). The scheduler's client now gives up on it for
+    kvstore_quarantine_s; the workers' (whose failed load stops vLLM) always try."""
+    import os
+    import signal
+
+    server = make_server("--capacity", "1MiB")
+    spec = KVStoreOffloadingSpec.__new__(KVStoreOffloadingSpec)  # (its settings alone: no vLLM config)
+    spec.settings = KVStoreSettings.from_config(offloading_config({"kvstore_addr": server.addr, "kvstore_timeout": 1}))
+    spec.config, spec._manager, spec._worker = offloading_config(), None, None
+    spec.blocks_per_chunk = 3
+    m = spec.get_manager()
+    assert m.client._aio.quarantine == 5.0
+    chain = keys(4)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        assert m.lookup(chain[0], context("a", chain)) is LookupResult.MISS  # (one timeout)
+        for i in range(3):  # other requests of the step, and the next steps: no wait, no round trip
+            m.on_schedule_end(None)  # type: ignore[arg-type]
+            assert m.lookup(chain[0], context(f"r{i}", chain)) is LookupResult.MISS
+            assert m.prepare_store(chain, context(f"r{i}", chain)) is None
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    # The timed-out request took its connection down; a request that tried again would have connected
+    # anew (the paused server's kernel queues the connects, and the server accepts them once resumed).
+    with KVClient(server.addr, namespace="parts") as kv:
+        assert kv.stats()["connections_total"] == 2  # the manager's first, and this one
+    m.shutdown()
 
 
 def test_spec_refuses_canonical_layout() -> None:

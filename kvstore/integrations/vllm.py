@@ -91,6 +91,9 @@ DEFAULT_ADDR = "127.0.0.1:7600"
 # the background and may move hundreds of MB in one request: they get longer.
 DEFAULT_TIMEOUT_S = 5.0
 MIN_TRANSFER_TIMEOUT_S = 30.0
+# A server that stopped answering would cost the scheduler a timeout per request, step after step:
+# after one, its lookups miss (and stores wait) at once for this long, doubled while it stays silent.
+DEFAULT_QUARANTINE_S = 5.0
 # Host payload buffers a worker keeps for reuse, per direction (pinned memory is
 # slow to allocate on CUDA).
 BUFFER_POOL_BYTES = 256 << 20
@@ -145,6 +148,10 @@ class KVStoreSettings:
             requests too, send only the chunks the server lacks, and refresh (touch)
             the ones it has instead of sending them again. Off by default: such a
             request stores every chunk, as vLLM's seed semantics say.
+        quarantine_s: ``kvstore_quarantine_s``: after a scheduler request to a server
+            times out (or cannot connect), that server is not asked for this long (doubled
+            while it stays silent, up to 8x): its lookups miss at once. 0: every request
+            tries. The workers' transfers always try (a load that fails stops vLLM).
     """
 
     addr: str | tuple[str, ...] = DEFAULT_ADDR
@@ -157,6 +164,7 @@ class KVStoreSettings:
     flush_on_reset: bool = False
     remote_decode_dedup: bool = False
     shm: bool | None = None
+    quarantine_s: float = DEFAULT_QUARANTINE_S
 
     @classmethod
     def from_config(cls, config: OffloadingConfig) -> KVStoreSettings:
@@ -189,6 +197,14 @@ class KVStoreSettings:
         if server_name is not None and not (isinstance(server_name, str) and server_name):
             raise ValueError("kvstore_tls_server_name must be a host name")
         lease = extra.get("kvstore_lease_ms")
+        quarantine = extra.get("kvstore_quarantine_s")
+        try:
+            quarantine = DEFAULT_QUARANTINE_S if quarantine is None else float(quarantine)
+        except (TypeError, ValueError):
+            quarantine = -1.0
+        if not 0 <= quarantine < float("inf"):
+            raise ValueError(f"kvstore_quarantine_s must be a number of seconds >= 0, got "
+                             f"{extra.get('kvstore_quarantine_s')!r}")
         return cls(
             addr=addr,
             namespace=namespace,
@@ -200,13 +216,15 @@ class KVStoreSettings:
             flush_on_reset=bool(_parse_bool(extra, "kvstore_flush_on_reset")),
             remote_decode_dedup=bool(_parse_bool(extra, "kvstore_remote_decode_dedup")),
             shm=_parse_bool(extra, "kvstore_shm"),
+            quarantine_s=quarantine,
         )
 
-    def client(self, timeout: float | None = None) -> KVClient:
+    def client(self, timeout: float | None = None, quarantine: bool = False) -> KVClient:
         """A connected blocking client.
 
         Args:
             timeout: seconds per request; default :attr:`timeout`.
+            quarantine: give up on a silent server for :attr:`quarantine_s` (the scheduler's).
 
         Raises:
             KVStoreError: the server cannot be reached or refuses the token.
@@ -215,7 +233,8 @@ class KVStoreSettings:
         retries = 2  # (a lost connection is asked again: connect, with HELLO, in a third of the timeout)
         client = KVClient(self.addr, namespace=self.namespace, token=self.token, tls=self.tls,
                           server_hostname=self.tls_server_name, shm=self.shm, timeout=timeout,
-                          connect_timeout=timeout / (1 + retries), retries=retries)
+                          connect_timeout=timeout / (1 + retries), retries=retries,
+                          quarantine=self.quarantine_s if quarantine else 0.0)
         try:
             client.connect()
         except KVStoreError as exc:
@@ -314,6 +333,25 @@ class KVStoreLoadStoreSpec(LoadStoreSpec):
         return f"KVStoreLoadStoreSpec({len(self.keys)} chunks)"
 
 
+class _Warnings:
+    """Warnings of one kind at most once per ``every`` seconds, the next one counting those held
+    back: a server that stopped answering fails every request of every scheduling step."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self.last: dict[str, float] = {}
+        self.held: Counter[str] = Counter()
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last.get(msg, -float("inf")) < self.every:
+            self.held[msg] += 1
+            return
+        self.last[msg] = now
+        held = self.held.pop(msg, 0)
+        logger.warning(msg + (f" (and {held} more like it in {self.every:.0f}s)" if held else ""), *args)
+
+
 class KVStoreOffloadingManager(OffloadingManager):
     """vLLM's scheduler-side offloading manager, with the kvstore server as its index.
 
@@ -367,6 +405,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
         self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
+        self._warnings = _Warnings()
 
     @property
     def client(self) -> KVClient:
@@ -435,7 +474,7 @@ class KVStoreOffloadingManager(OffloadingManager):
                 return
             n = self._client.lookup(wire, pin=True, lease_ms=self._lease_ms)
         except KVStoreError as exc:
-            logger.warning("kvstore lookup failed, treating it as a miss: %s", exc)
+            self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             self._known[key] = False
             return
         self._step_pins.update(wire[:n])
@@ -458,7 +497,7 @@ class KVStoreOffloadingManager(OffloadingManager):
                 self.round_trips += 1
                 n = self._client.lookup(unpinned, pin=True, lease_ms=self._lease_ms)
             except KVStoreError as exc:
-                logger.warning("kvstore: could not pin %d blocks to load: %s", len(unpinned), exc)
+                self._warnings.warning("kvstore: could not pin %d blocks to load: %s", len(unpinned), exc)
             else:
                 if n < len(unpinned):
                     logger.warning("kvstore: %d of %d blocks to load are gone already", len(unpinned) - n,
@@ -478,7 +517,7 @@ class KVStoreOffloadingManager(OffloadingManager):
             self.round_trips += 1
             self._client.unpin(leftover)
         except KVStoreError as exc:  # the leases expire on their own
-            logger.warning("kvstore: could not unpin %d blocks: %s", len(leftover), exc)
+            self._warnings.warning("kvstore: could not unpin %d blocks: %s", len(leftover), exc)
 
     # -- stores
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -500,7 +539,7 @@ class KVStoreOffloadingManager(OffloadingManager):
                     self.round_trips += 1
                     self._client.lookup(self._wire(stored))
             except KVStoreError as exc:
-                logger.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
+                self._warnings.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
                 return None
             todo = [k for i, k in enumerate(todo) if not self._all_ranks(present, i)]
         self._storing.update(todo)
@@ -787,7 +826,7 @@ class KVStoreOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KVStoreOffloadingManager(
-                self.settings.client(),
+                self.settings.client(quarantine=True),
                 world_size=self.config.parallel.world_size,
                 groups=self.config.groups,
                 blocks_per_chunk=self.blocks_per_chunk,
