@@ -97,11 +97,13 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
         "kvstore_addr": "10.0.0.1:7600, 10.0.0.2:7600", "kvstore_namespace": "llama/tp0",
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
         "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1,
-        "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true", "kvstore_quarantine_s": "2.5"}))
+        "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true", "kvstore_quarantine_s": "2.5",
+        "kvstore_remote_prefill_wait_s": 0}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
     assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
     assert settings.tls_server_name == "kvstore.internal" and settings.shm is True and settings.quarantine_s == 2.5
+    assert settings.remote_prefill_wait_s == 0.0
     assert "s3cret" not in repr(settings)
 
 
@@ -119,6 +121,7 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_quarantine_s": -1},
     {"kvstore_quarantine_s": "soon"},
     {"kvstore_quarantine_s": float("nan")},
+    {"kvstore_remote_prefill_wait_s": "a while"},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

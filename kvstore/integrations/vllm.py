@@ -94,6 +94,12 @@ MIN_TRANSFER_TIMEOUT_S = 30.0
 # A server that stopped answering would cost the scheduler a timeout per request, step after step:
 # after one, its lookups miss (and stores wait) at once for this long, doubled while it stays silent.
 DEFAULT_QUARANTINE_S = 5.0
+# vLLM answers a finished prefill before its stores run (they start at the next engine step): a
+# decode request sent on at once would find part of the prompt and compute the rest. One marked
+# do_remote_prefill waits this long for the whole chain, asking the server at most every
+# PREFILL_PROBE_S meanwhile (the scheduler asks again at every step).
+DEFAULT_REMOTE_PREFILL_WAIT_S = 3.0
+PREFILL_PROBE_S = 0.01
 # Host payload buffers a worker keeps for reuse, per direction (pinned memory is
 # slow to allocate on CUDA).
 BUFFER_POOL_BYTES = 256 << 20
@@ -148,6 +154,10 @@ class KVStoreSettings:
             requests too, send only the chunks the server lacks, and refresh (touch)
             the ones it has instead of sending them again. Off by default: such a
             request stores every chunk, as vLLM's seed semantics say.
+        remote_prefill_wait_s: ``kvstore_remote_prefill_wait_s``: how long a request whose
+            ``kv_transfer_params`` has ``do_remote_prefill`` (a P/D decode request) waits for
+            its prompt's chain to be whole in the store before computing what is missing
+            (0: not at all).
         quarantine_s: ``kvstore_quarantine_s``: after a scheduler request to a server
             times out (or cannot connect), that server is not asked for this long (doubled
             while it stays silent, up to 8x): its lookups miss at once. 0: every request
@@ -165,6 +175,7 @@ class KVStoreSettings:
     remote_decode_dedup: bool = False
     shm: bool | None = None
     quarantine_s: float = DEFAULT_QUARANTINE_S
+    remote_prefill_wait_s: float = DEFAULT_REMOTE_PREFILL_WAIT_S
 
     @classmethod
     def from_config(cls, config: OffloadingConfig) -> KVStoreSettings:
@@ -197,14 +208,8 @@ class KVStoreSettings:
         if server_name is not None and not (isinstance(server_name, str) and server_name):
             raise ValueError("kvstore_tls_server_name must be a host name")
         lease = extra.get("kvstore_lease_ms")
-        quarantine = extra.get("kvstore_quarantine_s")
-        try:
-            quarantine = DEFAULT_QUARANTINE_S if quarantine is None else float(quarantine)
-        except (TypeError, ValueError):
-            quarantine = -1.0
-        if not 0 <= quarantine < float("inf"):
-            raise ValueError(f"kvstore_quarantine_s must be a number of seconds >= 0, got "
-                             f"{extra.get('kvstore_quarantine_s')!r}")
+        quarantine = _parse_seconds(extra, "kvstore_quarantine_s", DEFAULT_QUARANTINE_S)
+        prefill_wait = _parse_seconds(extra, "kvstore_remote_prefill_wait_s", DEFAULT_REMOTE_PREFILL_WAIT_S)
         return cls(
             addr=addr,
             namespace=namespace,
@@ -217,6 +222,7 @@ class KVStoreSettings:
             remote_decode_dedup=bool(_parse_bool(extra, "kvstore_remote_decode_dedup")),
             shm=_parse_bool(extra, "kvstore_shm"),
             quarantine_s=quarantine,
+            remote_prefill_wait_s=prefill_wait,
         )
 
     def client(self, timeout: float | None = None, quarantine: bool = False) -> KVClient:
@@ -391,6 +397,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         lease_ms: int | None = None,
         flush_on_reset: bool = False,
         remote_decode_dedup: bool = False,
+        remote_prefill_wait_s: float = 0.0,
     ) -> None:
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
@@ -401,7 +408,8 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
         self._remote_decode_dedup = remote_decode_dedup
-        self._known: dict[bytes, bool] = {}  # this step's answers
+        self._remote_prefill_wait_s = remote_prefill_wait_s
+        self._known: dict[bytes, LookupResult] = {}  # this step's answers
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
         self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
@@ -455,11 +463,14 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     # -- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        wait = req_context.get_state(_PrefillWait)
+        if wait is not None and not wait.over and key in wait.answers and time.monotonic() < wait.next_probe:
+            return wait.answers[key]  # (the scheduler asks at every step: the server, every PREFILL_PROBE_S)
         known = self._known.get(key)
         if known is None:
             self._probe(key, req_context)
-            known = self._known.get(key, False)
-        return LookupResult.HIT if known else LookupResult.MISS
+            known = self._known.get(key, LookupResult.MISS)
+        return known
 
     def _probe(self, key: bytes, req_context: ReqContext) -> None:
         windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
@@ -470,19 +481,41 @@ class KVStoreOffloadingManager(OffloadingManager):
             if windowed:
                 present = self._client.exists(wire)
                 for i, k in enumerate(chain):
-                    self._known[k] = self._all_ranks(present, i)
+                    self._known[k] = LookupResult.HIT if self._all_ranks(present, i) else LookupResult.MISS
                 return
             n = self._client.lookup(wire, pin=True, lease_ms=self._lease_ms)
         except KVStoreError as exc:
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
-            self._known[key] = False
+            self._known[key] = LookupResult.MISS
             return
         self._step_pins.update(wire[:n])
         hits = n // self._world_size
         for k in chain[:hits]:
-            self._known[k] = True
+            self._known[k] = LookupResult.HIT
         if hits < len(chain):
-            self._known[chain[hits]] = False
+            self._known[chain[hits]] = LookupResult.MISS
+        self._wait_for_prefill(req_context, chain, hits)
+
+    def _wait_for_prefill(self, req_context: ReqContext, chain: list[bytes], hits: int) -> None:
+        """A decode request whose prefill's chain is not whole yet: RETRY (vLLM defers it and asks
+        again next step) until the chain is whole or its wait is over."""
+        wait = req_context.get_state(_PrefillWait)
+        if wait is None or wait.over:
+            return
+        now = time.monotonic()
+        if hits == len(chain) or now >= wait.deadline:
+            wait.over, wait.answers = True, {}
+            if hits < len(chain):
+                self._warnings.warning(
+                    "kvstore: a do_remote_prefill request found %d of its %d chunks after waiting %.1fs "
+                    "(kvstore_remote_prefill_wait_s); computing the rest (does its prefill engine store "
+                    "to this namespace?)", hits, len(chain), self._remote_prefill_wait_s)
+            return
+        self._known[chain[hits]] = LookupResult.RETRY  # (vLLM scans on past a RETRY, to the next MISS)
+        if hits + 1 < len(chain):
+            self._known[chain[hits + 1]] = LookupResult.MISS
+        wait.answers = {k: self._known[k] for k in chain[:hits + 2]}
+        wait.next_probe = now + PREFILL_PROBE_S
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -521,6 +554,9 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     # -- stores
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        params = req_context.kv_transfer_params
+        if self._remote_prefill_wait_s and params and params.get("do_remote_prefill"):
+            req_context.set_state(_PrefillWait(deadline=time.monotonic() + self._remote_prefill_wait_s))
         if _remote_decode(req_context):
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
@@ -573,6 +609,28 @@ class KVStoreOffloadingManager(OffloadingManager):
             self._client.close()
         except KVStoreError:  # pragma: no cover - closing never needs the server
             pass
+
+
+def _parse_seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
+    """A setting in seconds, >= 0 (a number or a numeric string; null: the default)."""
+    value = extra.get(name)
+    try:
+        seconds = default if value is None else float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+@dataclass
+class _PrefillWait:
+    """A decode request's wait for its remote prefill's chain (its ReqContext state)."""
+
+    deadline: float
+    next_probe: float = 0.0
+    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probe's, until next_probe
+    over: bool = False  # the chain was whole, or the time ran out
 
 
 def _remote_decode(req_context: ReqContext) -> bool:
@@ -833,6 +891,7 @@ class KVStoreOffloadingSpec(OffloadingSpec):
                 lease_ms=self.settings.lease_ms,
                 flush_on_reset=self.settings.flush_on_reset,
                 remote_decode_dedup=self.settings.remote_decode_dedup,
+                remote_prefill_wait_s=self.settings.remote_prefill_wait_s,
             )
         return self._manager
 
