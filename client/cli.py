@@ -253,13 +253,20 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
     return "\n".join(lines)
 
 
+def _shown(name: str) -> str:
+    """A name any client chose, safe for a terminal: non-printable characters escaped (a newline
+    would forge a row, an escape sequence clear the operator's screen)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+
+
 def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None = None) -> str:
     if not namespaces:
         return "no blocks stored"
-    width = max(len("NAMESPACE"), *(len(ns) for ns in namespaces))
+    shown = {ns: _shown(ns) for ns in namespaces}
+    width = max(len("NAMESPACE"), *(len(s) for s in shown.values()))
     rows = [f"{'NAMESPACE':<{width}}  {'BLOCKS':>10}  {'BYTES':>12}"]
     for ns, st in sorted(namespaces.items()):
-        rows.append(f"{ns:<{width}}  {st['blocks']:>10}  {format_size(st['bytes']):>12}")
+        rows.append(f"{shown[ns]:<{width}}  {st['blocks']:>10}  {format_size(st['bytes']):>12}")
     if total is not None and total > len(namespaces):
         rows.append(f"... the largest {len(namespaces)} of {total} namespaces (all of them: /metrics)")
     return "\n".join(rows)

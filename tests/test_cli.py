@@ -250,3 +250,15 @@ def test_server_checks_an_environment_value_as_it_checks_the_flag(name: str, val
 def test_server_refuses_out_of_range_flags(flag: str, value: str) -> None:
     r = server_run(flag, value, env={})
     assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr
+
+
+def test_namespaces_chosen_by_clients_cannot_write_control_characters_to_the_terminal(server) -> None:
+    """Any client names its namespace: a newline forged a table row, ESC [2J cleared the screen."""
+    evil = "a\nFORGED  999  1 GiB\x1b[2J\u2028"
+    with KVClient(server.addr, namespace=evil) as kv:
+        kv.put([b"k" * 16], [b"v"])
+    out = cli("namespaces", addr=server.addr).stdout.decode()
+    assert "\x1b" not in out and "\u2028" not in out
+    rows = out.splitlines()
+    assert not any(r.startswith("FORGED") for r in rows)
+    assert any(r.startswith("a\\nFORGED  999  1 GiB\\x1b[2J\\u2028") for r in rows), rows
