@@ -468,8 +468,9 @@ class AsyncKVClient:
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", *, namespace: str = "default",
                  token: str | None = None, tls: ssl.SSLContext | bool | str | None = None, pool_size: int = 4,
                  timeout: float = 30.0, connect_timeout: float | None = 5.0, retries: int = 2, backoff: float = 0.05,
-                 quarantine: float = 0.0, verify: bool = True, limits: Limits = DEFAULT_LIMITS, server_hostname: str | None = None,
-                 shm: bool | None = None, recycle_bytes: int = 256 << 20, split_bytes: int = 16 << 20) -> None:
+                 quarantine: float = 0.0, verify: bool = True, limits: Limits = DEFAULT_LIMITS,
+                 server_hostname: str | None = None, shm: bool | None = None, recycle_bytes: int = 256 << 20,
+                 split_bytes: int = 16 << 20) -> None:
         addrs = [addr] if isinstance(addr, str) else _listed(addr, "addr")
         if not addrs:
             raise InvalidRequest("no server address given")
@@ -888,7 +889,8 @@ class AsyncKVClient:
         Over several servers, as with ``lookup``: a key of a server that failed counts as absent
         (it cannot be read now; an engine asking what to store stores it again, and that put
         reports the server's failure), a warning is logged, and it raises only when no server
-        answered. ``stats()`` and ``flush()`` answer only for every server."""
+        answered. (``stats()`` lists a failed server under ``"errors"``; ``delete()``, ``unpin()``
+        and ``flush()`` raise when one fails.)"""
         keys = _checked_keys(keys)
         if not keys:
             return []

@@ -167,7 +167,12 @@ class Server:
         if self._stopping is None:  # (serve_forever makes it first: a signal during the start is kept)
             self._stopping = asyncio.Event()
         if self.tier is not None:
-            await self.tier.start()  # a Redis that is down only makes it start degraded
+            try:
+                await self.tier.start()  # a Redis that is down only makes it start degraded
+            except ValueError as exc:  # ... one without the URL's database fails the start
+                await self.tier.close()
+                flag = "--redis-cluster" if self.config.redis_cluster else "--redis"
+                raise StartupError(f"{flag} {self.tier.target}: {exc}") from None
         try:
             await self._start_tcp()
             await self._start_unix()

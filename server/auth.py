@@ -57,7 +57,11 @@ class TokenTable:
             ValueError: it holds no token, or an entry with an empty token.
         """
         entries = []
-        for n, raw in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+        try:
+            text = Path(path).read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a text file of tokens (not UTF-8)") from None
+        for n, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue

@@ -491,9 +491,20 @@ class RedisTier(Tier):
     # -- lifecycle
 
     async def start(self) -> None:
-        """Connect (a Redis that is down only makes the tier start degraded) and start the flusher."""
+        """Connect (a Redis that is down only makes the tier start degraded) and start the flusher.
+
+        A wrong password is an outage, as it would be after a password change (logged, in
+        ``/healthz`` and the stats, with Redis's answer).
+
+        Raises:
+            ValueError: Redis has no database of the URL's number: no outage that waiting would end.
+        """
         try:
             await self._ping()
+        except ResponseError as exc:
+            if "DB index" in str(exc):  # ("DB index is out of range": SELECT of the URL's /N)
+                raise ValueError(f"Redis refused the URL's database: {_describe(exc)}") from None
+            self._mark_down(exc)
         except _REDIS_ERRORS as exc:
             self._mark_down(exc)
         else:

@@ -152,6 +152,32 @@ def test_a_missing_token_file_is_named_with_its_flag_before_the_arena_is_faulted
     assert error_line(r, "kvstore-server") == f"kvstore-server: --token-file {empty}: the token file holds no token"
 
 
+def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> None:
+    """Each was accepted or half-said: a token file that is not UTF-8 gave the codec's own words;
+    --redis-mode write-behind without a Redis ran memory-only without a word; a Redis URL naming a
+    database Redis lacks started degraded and probed for ever (no outage that waiting ends)."""
+    from redis_fixtures import RedisProcess
+
+    latin1 = tmp_path / "tokens"
+    latin1.write_bytes(b"caf\xe9:token\n")
+    r = server_run("--token-file", str(latin1))
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == \
+        f"kvstore-server: --token-file {latin1}: not a text file of tokens (not UTF-8)"
+    r = server_run("--redis-mode", "write-behind")
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == \
+        "kvstore-server: --redis-mode write-behind needs a Redis tier (--redis or --redis-cluster)"
+    redis = RedisProcess(tmp_path / "redis").start()
+    try:
+        r = server_run("--redis", f"redis://{redis.addr}/99")
+        assert r.returncode == 2
+        assert error_line(r, "kvstore-server") == (f"kvstore-server: --redis redis://{redis.addr}/99: Redis refused "
+                                                   "the URL's database: ResponseError: DB index is out of range")
+    finally:
+        redis.stop()
+
+
 def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Path, taken_port: int) -> None:
     """The message names the flag; an operator who never typed that flag is told where it came from."""
     missing = tmp_path / "token"
