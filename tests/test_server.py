@@ -347,12 +347,15 @@ def test_a_server_that_fails_to_start_gives_its_loop_the_signals_back() -> None:
     from kvstore.config import ServerConfig
     from kvstore.server.app import Server, StartupError
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
     taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
 
     async def start() -> None:
-        server = Server(ServerConfig(host="127.0.0.1", port=taken.getsockname()[1], capacity=1 << 20))
+        server = Server(ServerConfig(host="127.0.0.1", port=free, capacity=1 << 20))  # (it checks the port)
+        taken.bind(("127.0.0.1", free))  # ... taken after that, before the server listens
+        taken.listen()
         with pytest.raises(StartupError, match="--port"):
             await server.serve_forever()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not asyncio's no-op)
