@@ -357,7 +357,8 @@ class _Node:
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
         """
         c = self.client
-        self.check_up()
+        if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
+            self.check_up()
         attempts = 1 + (c.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
@@ -449,7 +450,8 @@ class AsyncKVClient:
         quarantine: seconds a server that timed out or could not be reached is not asked:
             calls to it fail at once with ``TransportError`` (over several servers, a lookup
             or exists answers from the others at once), then the next call tries it again;
-            each failure in a row doubles the time, up to 8x. For a cache whose caller must
+            each failure in a row doubles the time, up to 8x (an ``unpin``, and the leases a
+            failed or cancelled lookup gives back, are always tried). For a cache whose caller must
             not wait a timeout per request on a server that stopped answering (an engine's
             scheduler); 0 (default): every call tries.
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).

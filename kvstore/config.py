@@ -127,6 +127,8 @@ class ServerConfig:
         """Refuse settings that contradict each other (ValueError naming the flags)."""
         if self.lease_seconds > self.lease_cap():
             raise ValueError(f"--lease-seconds {self.lease_seconds:g} is over --max-lease-seconds {self.lease_cap():g}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is --port too: give each its own")
         if self.redis_mode != "write-through" and not (self.redis or self.redis_cluster):
             raise ValueError(f"--redis-mode {self.redis_mode} needs a Redis tier (--redis or --redis-cluster)")
 

@@ -164,6 +164,8 @@ def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> N
     assert r.returncode == 2
     assert error_line(r, "kvstore-server") == \
         f"kvstore-server: --token-file {latin1}: not a text file of tokens (not UTF-8)"
+    r = server_run("--port", "7699", "--metrics-port", "7699")  # (each bindable alone: failed once pre-faulted)
+    assert error_line(r, "kvstore-server") == "kvstore-server: --metrics-port 7699 is --port too: give each its own"
     r = server_run("--redis-mode", "write-behind")
     assert r.returncode == 2
     assert error_line(r, "kvstore-server") == \

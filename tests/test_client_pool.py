@@ -734,3 +734,33 @@ async def test_a_quarantined_server_is_not_asked_until_its_time_is_up(
         assert [bytes(b) for b in await kv.get(keys) if b is not None] == [b"x" * 3000] * 3
     with pytest.raises(Exception, match="quarantine"):
         AsyncKVClient(srv.addr, quarantine=-1)
+
+
+async def test_a_quarantined_server_still_gets_the_leases_it_gave_back(make_server: MakeServer) -> None:
+    """A pinned lookup whose caller gave up hands its reply's leases to an UNPIN; when another call
+    had timed out meanwhile, quarantine refused that UNPIN at once, and the leases stayed their
+    whole term though the server answered again."""
+    srv = make_server("--capacity", "64MiB", "--lease-seconds", "60")
+    assert srv.proc is not None
+    keys = [key(i, "orphan") for i in range(8)]
+    async with AsyncKVClient(srv.addr, namespace="o", timeout=1.0, retries=0, quarantine=5, pool_size=4) as kv:
+        await kv.put(keys, [b"x" * 100] * 8)
+        # the pool's connections open (4 puts at once): each lookup below goes out on one
+        await asyncio.gather(*(kv.put([key(50 + i, "big")], [os.urandom(4 << 20)]) for i in range(4)))
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            timing_out = asyncio.ensure_future(kv.lookup([key(99, "none")]))
+            await asyncio.sleep(0.5)
+            pinned = asyncio.ensure_future(kv.lookup(keys, pin=True))  # sent on another connection
+            await asyncio.sleep(0.1)
+            pinned.cancel()  # its caller gives up: its reply's leases go back when it comes
+            with pytest.raises(RequestTimeout):
+                await timing_out  # ... and the server is quarantined
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        async with AsyncKVClient(srv.addr, namespace="o") as observer:
+            for _ in range(100):  # (the pinned lookup's reply, then its UNPIN)
+                if (await observer.stats())["store"]["leases"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await observer.stats())["store"]["leases"] == 0

@@ -333,31 +333,42 @@ def test_documented_config_selects_the_kvstore_spec() -> None:
         assert OffloadingSpecFactory.get_spec_cls(config.kv_connector_extra_config) is KVStoreOffloadingSpec
 
 
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding-window"])
 @SYNC_ASYNC
 def test_a_decode_request_waits_for_its_remote_prefills_blocks(make_engine: Callable[..., Engine],
                                                                kvstore_server: ServerProcess,
-                                                               async_scheduling: bool) -> None:
+                                                               async_scheduling: bool, window: int | None) -> None:
     """vLLM answers a finished prefill before its stores run (at the next step, in the background):
     a decode request sent on at once found part of the prompt, or none, and computed the rest. One
-    marked do_remote_prefill now waits (kvstore_remote_prefill_wait_s) for the whole chain."""
+    marked do_remote_prefill now waits (kvstore_remote_prefill_wait_s) for the whole chain (for a
+    sliding-window group: its last chunk), alone: a plain request with the same prompt does not."""
     import time
 
-    prefill = make_engine(kvstore_server.addr, namespace="pd", async_scheduling=async_scheduling)
-    decode = make_engine(kvstore_server.addr, namespace="pd", async_scheduling=async_scheduling)
-    prompt = list(range(100, 130))  # two whole offloaded blocks (24 tokens) and 6 more
+    def engine(ns: str, **extra: Any) -> Engine:
+        return make_engine(kvstore_server.addr, namespace=ns, async_scheduling=async_scheduling,
+                           sliding_window=window, **extra)
+
+    prefill, decode = engine("pd"), engine("pd")
+    prompt = list(range(100, 150))  # four whole offloaded blocks (48 tokens) and 2 more
     waiting = decode.new_request(prompt, kv_transfer_params={"do_remote_prefill": True})
     for _ in range(3):  # its prefill has stored nothing yet: deferred, nothing computed
         assert waiting.request_id not in decode.step(None).num_scheduled_tokens
     prefill.new_request(prompt, kv_transfer_params={"do_remote_decode": True})
-    assert len(prefill.run([EOS_TOKEN_ID]).stored) == 6  # both blocks, 3 GPU blocks each
+    stored = set(prefill.run([EOS_TOKEN_ID]).stored)
     time.sleep(0.05)  # (past the probe interval: the next step asks the server)
-    log = decode.run([7])
-    assert log.loaded == (0, 1, 2, 3, 4, 5)  # the whole chain came from the store
+    log = decode.run([7, EOS_TOKEN_ID])
+    loaded = set(log.loaded)
+    assert loaded and loaded <= stored and waiting.num_computed_tokens >= len(prompt)
+    if window is None:
+        assert loaded == set(range(12))  # the whole chain came from the store
+    with KVClient(kvstore_server.addr, namespace="pd") as kv:
+        assert kv.stats()["store"]["leases"] == 0
 
-    late = make_engine(kvstore_server.addr, namespace="pd-none", async_scheduling=async_scheduling,
-                       kvstore_remote_prefill_wait_s=0.2)
+    late = engine("pd-none", kvstore_remote_prefill_wait_s=0.2)
     alone = late.new_request(prompt, kv_transfer_params={"do_remote_prefill": True})
-    assert alone.request_id not in late.step(None).num_scheduled_tokens
-    time.sleep(0.25)  # no prefill stores it: past its wait, it computes the prompt itself
+    plain = late.new_request(prompt)  # the same prompt, no P/D: takes what is there (nothing) at once
+    out = late.step(None)
+    assert alone.request_id not in out.num_scheduled_tokens and plain.request_id in out.num_scheduled_tokens
+    time.sleep(0.25)  # no prefill stores it: past its wait, it computes the prompt (or takes plain's blocks)
     log = late.run([7])
     assert log.loaded == () and alone.num_computed_tokens >= len(prompt)

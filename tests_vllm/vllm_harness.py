@@ -37,7 +37,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -127,10 +127,11 @@ class Engine:
         gpu_block_size: vLLM's block size (tokens per GPU block).
         num_gpu_blocks: blocks in the fake KV cache.
         async_scheduling: ``AsyncScheduler`` instead of ``Scheduler``.
+        sliding_window: tokens of a sliding-window attention group instead of full attention.
     """
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, gpu_block_size: int = 4,
-                 num_gpu_blocks: int = 100, async_scheduling: bool = False) -> None:
+                 num_gpu_blocks: int = 100, async_scheduling: bool = False, sliding_window: int | None = None) -> None:
         self.async_scheduling = async_scheduling
         self.gpu_block_size = gpu_block_size
         model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
@@ -147,7 +148,9 @@ class Engine:
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         spec = FullAttentionSpec(block_size=gpu_block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                                 dtype=torch.float16)
+                                 dtype=torch.float16) if sliding_window is None else SlidingWindowSpec(
+            block_size=gpu_block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16,
+            sliding_window=sliding_window)
         kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler

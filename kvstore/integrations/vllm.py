@@ -96,10 +96,10 @@ MIN_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_QUARANTINE_S = 5.0
 # vLLM answers a finished prefill before its stores run (they start at the next engine step): a
 # decode request sent on at once would find part of the prompt and compute the rest. One marked
-# do_remote_prefill waits this long for the whole chain, asking the server at most every
-# PREFILL_PROBE_S meanwhile (the scheduler asks again at every step).
+# do_remote_prefill waits this long for the whole chain; the scheduler asks again at every step,
+# the server is asked for the waiting requests at most every PREFILL_PROBE_S.
 DEFAULT_REMOTE_PREFILL_WAIT_S = 3.0
-PREFILL_PROBE_S = 0.01
+PREFILL_PROBE_S = 0.02
 # Host payload buffers a worker keeps for reuse, per direction (pinned memory is
 # slow to allocate on CUDA).
 BUFFER_POOL_BYTES = 256 << 20
@@ -410,6 +410,9 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._remote_decode_dedup = remote_decode_dedup
         self._remote_prefill_wait_s = remote_prefill_wait_s
         self._known: dict[bytes, LookupResult] = {}  # this step's answers
+        self._steps = 0  # scheduling steps ended
+        self._prefill_probed = False  # whether this step asked the server for a waiting request
+        self._next_prefill_probe = 0.0  # when the waiting requests may be asked about again
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
         self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
@@ -464,8 +467,8 @@ class KVStoreOffloadingManager(OffloadingManager):
     # -- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         wait = req_context.get_state(_PrefillWait)
-        if wait is not None and not wait.over and key in wait.answers and time.monotonic() < wait.next_probe:
-            return wait.answers[key]  # (the scheduler asks at every step: the server, every PREFILL_PROBE_S)
+        if wait is not None and not wait.over:
+            return self._lookup_waiting(key, req_context, wait)
         known = self._known.get(key)
         if known is None:
             self._probe(key, req_context)
@@ -494,28 +497,52 @@ class KVStoreOffloadingManager(OffloadingManager):
             self._known[k] = LookupResult.HIT
         if hits < len(chain):
             self._known[chain[hits]] = LookupResult.MISS
-        self._wait_for_prefill(req_context, chain, hits)
 
-    def _wait_for_prefill(self, req_context: ReqContext, chain: list[bytes], hits: int) -> None:
-        """A decode request whose prefill's chain is not whole yet: RETRY (vLLM defers it and asks
-        again next step) until the chain is whole or its wait is over."""
-        wait = req_context.get_state(_PrefillWait)
-        if wait is None or wait.over:
-            return
-        now = time.monotonic()
-        if hits == len(chain) or now >= wait.deadline:
+    def _lookup_waiting(self, key: bytes, req_context: ReqContext, wait: _PrefillWait) -> LookupResult:
+        """A decode request whose remote prefill is still storing: RETRY (vLLM defers the request
+        and asks again next step) until the chain is whole -- for a sliding-window group, until its
+        last chunk is there -- or the wait is over; then the lookup any request gets.
+
+        Its answers are its own (another request with the same prompt neither waits with it nor
+        ends its wait). Its probes pin nothing (``prepare_load`` pins what is loaded) and come at
+        most once a step, and in steps at least ``PREFILL_PROBE_S`` apart engine-wide."""
+        if key in wait.answers and (wait.step == self._steps or time.monotonic() < self._next_prefill_probe):
+            return wait.answers[key]
+        self._prefill_probed = True
+        windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
+        chain = self._chain(key, req_context, whole_group=windowed)
+        wire = self._wire(chain)
+        try:
+            self.round_trips += 1
+            if windowed:
+                present = self._client.exists(wire)
+                have = [self._all_ranks(present, i) for i in range(len(chain))]
+                hits, whole = sum(have), have[-1]
+            else:
+                hits = self._client.lookup(wire) // self._world_size
+                whole = hits == len(chain)
+        except KVStoreError as exc:  # (no waiting on a server that fails)
+            self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
+            wait.over = True
+            return LookupResult.MISS
+        if whole or time.monotonic() >= wait.deadline:
             wait.over, wait.answers = True, {}
-            if hits < len(chain):
+            if not whole:
                 self._warnings.warning(
                     "kvstore: a do_remote_prefill request found %d of its %d chunks after waiting %.1fs "
                     "(kvstore_remote_prefill_wait_s); computing the rest (does its prefill engine store "
                     "to this namespace?)", hits, len(chain), self._remote_prefill_wait_s)
-            return
-        self._known[chain[hits]] = LookupResult.RETRY  # (vLLM scans on past a RETRY, to the next MISS)
-        if hits + 1 < len(chain):
-            self._known[chain[hits + 1]] = LookupResult.MISS
-        wait.answers = {k: self._known[k] for k in chain[:hits + 2]}
-        wait.next_probe = now + PREFILL_PROBE_S
+            self._probe(key, req_context)  # (pinned; fresh: an answer another request got this step may be older)
+            return self._known.get(key, LookupResult.MISS)
+        if windowed:  # (vLLM scans these from the end; a RETRY anywhere defers the request)
+            wait.answers.update(dict.fromkeys(chain, LookupResult.RETRY))
+        else:  # (vLLM scans on past a RETRY, to the next MISS)
+            wait.answers.update(dict.fromkeys(chain[:hits], LookupResult.HIT))
+            wait.answers[chain[hits]] = LookupResult.RETRY
+            if hits + 1 < len(chain):
+                wait.answers[chain[hits + 1]] = LookupResult.MISS
+        wait.step = self._steps
+        return wait.answers.get(key, LookupResult.MISS)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -538,6 +565,9 @@ class KVStoreOffloadingManager(OffloadingManager):
         return KVStoreLoadStoreSpec(keys)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._steps += 1
+        if self._prefill_probed:
+            self._prefill_probed, self._next_prefill_probe = False, time.monotonic() + PREFILL_PROBE_S
         self._known.clear()
         self._release_step_pins()
 
@@ -628,8 +658,8 @@ class _PrefillWait:
     """A decode request's wait for its remote prefill's chain (its ReqContext state)."""
 
     deadline: float
-    next_probe: float = 0.0
-    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probe's, until next_probe
+    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probe's
+    step: int = -1  # the scheduling step of the last probe
     over: bool = False  # the chain was whole, or the time ran out
 
 
