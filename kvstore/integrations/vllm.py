@@ -475,28 +475,39 @@ class KVStoreOffloadingManager(OffloadingManager):
             known = self._known.get(key, LookupResult.MISS)
         return known
 
-    def _probe(self, key: bytes, req_context: ReqContext) -> None:
+    def _ask(self, key: bytes, req_context: ReqContext, pin: bool) -> tuple[list[bytes], list[bool], bool]:
+        """The request's chain of ``key``'s group, whether the server has each chunk (all ranks),
+        and whether the group is a sliding-window one: those vLLM scans from the end are asked
+        whole with one ``EXISTS``; the others with one prefix ``LOOKUP`` from ``key`` on (which
+        leases the hits when ``pin``), the chunks past the first missing one counted absent.
+
+        Raises:
+            KVStoreError: the server failed.
+        """
         windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
         chain = self._chain(key, req_context, whole_group=windowed)
         wire = self._wire(chain)
+        self.round_trips += 1
+        if windowed:
+            present = self._client.exists(wire)
+            return chain, [self._all_ranks(present, i) for i in range(len(chain))], True
+        n = self._client.lookup(wire, pin=pin, lease_ms=self._lease_ms if pin else None)
+        if pin:
+            self._step_pins.update(wire[:n])
+        hits = n // self._world_size
+        return chain, [i < hits for i in range(len(chain))], False
+
+    def _probe(self, key: bytes, req_context: ReqContext) -> None:
         try:
-            self.round_trips += 1
-            if windowed:
-                present = self._client.exists(wire)
-                for i, k in enumerate(chain):
-                    self._known[k] = LookupResult.HIT if self._all_ranks(present, i) else LookupResult.MISS
-                return
-            n = self._client.lookup(wire, pin=True, lease_ms=self._lease_ms)
+            chain, have, windowed = self._ask(key, req_context, pin=True)
         except KVStoreError as exc:
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             self._known[key] = LookupResult.MISS
             return
-        self._step_pins.update(wire[:n])
-        hits = n // self._world_size
-        for k in chain[:hits]:
-            self._known[k] = LookupResult.HIT
-        if hits < len(chain):
-            self._known[chain[hits]] = LookupResult.MISS
+        for k, present in zip(chain, have):
+            self._known[k] = LookupResult.HIT if present else LookupResult.MISS
+            if not (present or windowed):  # (a prefix: what lies past its end is not known)
+                break
 
     def _lookup_waiting(self, key: bytes, req_context: ReqContext, wait: _PrefillWait) -> LookupResult:
         """A decode request whose remote prefill is still storing: RETRY (vLLM defers the request
@@ -509,22 +520,14 @@ class KVStoreOffloadingManager(OffloadingManager):
         if key in wait.answers and (wait.step == self._steps or time.monotonic() < self._next_prefill_probe):
             return wait.answers[key]
         self._prefill_probed = True
-        windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
-        chain = self._chain(key, req_context, whole_group=windowed)
-        wire = self._wire(chain)
         try:
-            self.round_trips += 1
-            if windowed:
-                present = self._client.exists(wire)
-                have = [self._all_ranks(present, i) for i in range(len(chain))]
-                hits, whole = sum(have), have[-1]
-            else:
-                hits = self._client.lookup(wire) // self._world_size
-                whole = hits == len(chain)
+            chain, have, windowed = self._ask(key, req_context, pin=False)
         except KVStoreError as exc:  # (no waiting on a server that fails)
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             wait.over = True
             return LookupResult.MISS
+        hits = sum(have)
+        whole = have[-1] if windowed else hits == len(chain)
         if whole or time.monotonic() >= wait.deadline:
             wait.over, wait.answers = True, {}
             if not whole:
