@@ -23,11 +23,11 @@ from collections import deque
 from typing import Any, Awaitable, Callable, cast
 
 from kvstore.errors import ProtocolError, Unauthorized, Unavailable
+from kvstore.messages import OP_NAMES
 from kvstore.protocol import (
     Delete, Exists, Flush, Frame, FrameReader, Get, Hello, Limits, Lookup, NEED_DATA, PayloadDone, Ping, Put,
     Stats, Unpin, error_reply, foreign_reply, reply,
 )
-from kvstore.messages import OP_NAMES
 from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
 from kvstore.sockets import tune
 from kvstore.store import BlockRef
