@@ -372,3 +372,62 @@ def test_a_decode_request_waits_for_its_remote_prefills_blocks(make_engine: Call
     time.sleep(0.25)  # no prefill stores it: past its wait, it computes the prompt (or takes plain's blocks)
     log = late.run([7])
     assert log.loaded == () and alone.num_computed_tokens >= len(prompt)
+
+
+@SYNC_ASYNC
+def test_a_decode_request_of_a_hybrid_model_waits_for_every_groups_chain(make_engine: Callable[..., Engine],
+                                                                         kvstore_server: ServerProcess,
+                                                                         async_scheduling: bool) -> None:
+    """A full-attention and a sliding-window group: the wait ended as soon as one group's chain
+    looked whole, and the request computed its whole prompt (the worker stores group 0's part,
+    then group 1's: a probe between the two saw exactly that)."""
+    import time
+
+    from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
+
+    prefill = make_engine(kvstore_server.addr, namespace="hy", async_scheduling=async_scheduling, hybrid=True)
+    decode = make_engine(kvstore_server.addr, namespace="hy", async_scheduling=async_scheduling, hybrid=True)
+    prompt = list(range(300, 350))
+    prefill.new_request(prompt, kv_transfer_params={"do_remote_decode": True})
+    keys = [k for t in prefill.run([EOS_TOKEN_ID]).stores for k in t.keys]
+    window_last = [k for k in keys if get_offload_group_idx(OffloadKey(k)) == 1][-1]
+    with KVClient(kvstore_server.addr, namespace="hy") as kv:  # group 1's last chunk: "not stored yet"
+        held = kv.get([store_key(window_last, 0)])
+        assert kv.delete([store_key(window_last, 0)]) == 1
+        waiting = decode.new_request(prompt, kv_transfer_params={"do_remote_prefill": True})
+        for _ in range(3):
+            assert waiting.request_id not in decode.step(None).num_scheduled_tokens
+            time.sleep(0.03)
+        kv.put([store_key(window_last, 0)], [held[0]])  # it lands
+        time.sleep(0.05)
+        log = decode.run([7, EOS_TOKEN_ID])
+        assert len(log.loaded) == 14 and waiting.num_computed_tokens >= len(prompt)  # both groups' blocks
+        assert kv.stats()["store"]["leases"] == 0
+
+
+def test_a_sliding_window_hit_is_leased_before_it_is_answered(make_engine: Callable[..., Engine],
+                                                              kvstore_server: ServerProcess) -> None:
+    """A sliding-window group is asked with EXISTS, which leases nothing: a block evicted between
+    that answer and prepare_load's pin failed its load, and vLLM 0.33 stops on a failed load."""
+    prefill = make_engine(kvstore_server.addr, namespace="sw", sliding_window=8)
+    decode = make_engine(kvstore_server.addr, namespace="sw", sliding_window=8)
+    prompt = list(range(400, 450))
+    prefill.new_request(prompt)
+    prefill.run([EOS_TOKEN_ID])
+    client = decode.manager.client
+    exists = client.exists
+    evictor = KVClient(kvstore_server.addr, namespace="sw")
+
+    def exists_then_evicted(keys: list[bytes]) -> list[bool]:  # (another engine's stores evict them)
+        present = exists(keys)
+        evictor.delete(keys)
+        return present
+
+    client.exists = exists_then_evicted  # type: ignore[method-assign]
+    try:
+        request = decode.new_request(prompt)
+        log = decode.run([7, EOS_TOKEN_ID])  # (raised AssertionError in vLLM's worker: a failed load)
+    finally:
+        client.exists = exists  # type: ignore[method-assign]
+        evictor.close()
+    assert log.loaded == () and request.num_computed_tokens >= len(prompt)

@@ -128,10 +128,12 @@ class Engine:
         num_gpu_blocks: blocks in the fake KV cache.
         async_scheduling: ``AsyncScheduler`` instead of ``Scheduler``.
         sliding_window: tokens of a sliding-window attention group instead of full attention.
+        hybrid: two groups, layer 0 full attention and layer 1 a sliding window of 8 tokens.
     """
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, gpu_block_size: int = 4,
-                 num_gpu_blocks: int = 100, async_scheduling: bool = False, sliding_window: int | None = None) -> None:
+                 num_gpu_blocks: int = 100, async_scheduling: bool = False, sliding_window: int | None = None,
+                 hybrid: bool = False) -> None:
         self.async_scheduling = async_scheduling
         self.gpu_block_size = gpu_block_size
         model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
@@ -147,12 +149,16 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-        spec = FullAttentionSpec(block_size=gpu_block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                                 dtype=torch.float16) if sliding_window is None else SlidingWindowSpec(
-            block_size=gpu_block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16,
-            sliding_window=sliding_window)
-        kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+        shape = {"block_size": gpu_block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE,
+                 "dtype": torch.float16}
+        full = FullAttentionSpec(**shape)
+        if hybrid:
+            groups = [KVCacheGroupSpec([LAYERS[0]], full),
+                      KVCacheGroupSpec([LAYERS[1]], SlidingWindowSpec(**shape, sliding_window=8))]
+        else:
+            spec = full if sliding_window is None else SlidingWindowSpec(**shape, sliding_window=sliding_window)
+            groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
         with set_current_vllm_config(self.vllm_config):
             self.scheduler = scheduler_cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
@@ -269,10 +275,11 @@ class Engine:
 
     # -- bookkeeping
     def _index_gpu_blocks(self) -> None:
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        for blocks in manager.req_to_blocks.values():
-            for index, block in enumerate(blocks):
-                self._gpu_block_index[block.block_id] = index
+        for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
+            for blocks in manager.req_to_blocks.values():
+                for index, block in enumerate(blocks):
+                    if block.block_id:  # (0: a sliding window's null block, outside the window)
+                        self._gpu_block_index[block.block_id] = index
 
     def _record_transfers(self) -> None:
         worker = self.worker

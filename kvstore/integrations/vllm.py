@@ -404,7 +404,10 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._client = client
         self._world_size = world_size
         self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
-        self._windowed = frozenset(g.group_id for g in groups if g.sliding_window_size_in_chunks is not None)
+        # Sliding-window groups: their window in chunks (vLLM loads the rightmost run of that many hits).
+        self._windows = {g.group_id: g.sliding_window_size_in_chunks for g in groups
+                         if g.sliding_window_size_in_chunks is not None}
+        self._windowed = frozenset(self._windows)
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
         self._remote_decode_dedup = remote_decode_dedup
@@ -484,18 +487,39 @@ class KVStoreOffloadingManager(OffloadingManager):
         Raises:
             KVStoreError: the server failed.
         """
-        windowed = get_offload_group_idx(OffloadKey(key)) in self._windowed
+        group = get_offload_group_idx(OffloadKey(key))
+        windowed = group in self._windowed
         chain = self._chain(key, req_context, whole_group=windowed)
         wire = self._wire(chain)
         self.round_trips += 1
         if windowed:
             present = self._client.exists(wire)
-            return chain, [self._all_ranks(present, i) for i in range(len(chain))], True
+            have = [self._all_ranks(present, i) for i in range(len(chain))]
+            return chain, self._lease_window(wire, have, self._windows[group]) if pin else have, True
         n = self._client.lookup(wire, pin=pin, lease_ms=self._lease_ms if pin else None)
         if pin:
             self._step_pins.update(wire[:n])
         hits = n // self._world_size
         return chain, [i < hits for i in range(len(chain))], False
+
+    def _lease_window(self, wire: list[bytes], have: list[bool], window: int) -> list[bool]:
+        """Lease the chunks vLLM would load from a sliding-window chain that ``have`` says are
+        present -- the rightmost run of at least ``window`` -- with one pinned ``LOOKUP``; the
+        chunks it answers as present are those leased (a hit not leased could be evicted before
+        its load, and a failed load stops vLLM)."""
+        ws, end = self._world_size, len(have)
+        while end > 0:
+            start = end
+            while start > 0 and have[start - 1]:
+                start -= 1
+            if end - start >= window:
+                self.round_trips += 1
+                n = self._client.lookup(wire[start * ws:end * ws], pin=True, lease_ms=self._lease_ms)
+                self._step_pins.update(wire[start * ws:start * ws + n])
+                leased = start + n // ws
+                return [start <= i < leased for i in range(len(have))]
+            end = start - 1 if start == end else start
+        return [False] * len(have)
 
     def _probe(self, key: bytes, req_context: ReqContext) -> None:
         try:
@@ -511,13 +535,16 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     def _lookup_waiting(self, key: bytes, req_context: ReqContext, wait: _PrefillWait) -> LookupResult:
         """A decode request whose remote prefill is still storing: RETRY (vLLM defers the request
-        and asks again next step) until the chain is whole -- for a sliding-window group, until its
-        last chunk is there -- or the wait is over; then the lookup any request gets.
+        and asks again next step) until every KV-cache group's chain is whole -- for a
+        sliding-window group, until its last chunk is there -- or the wait is over; then one RETRY
+        more, and from the next step the lookup any request gets (pinned, every group asked anew).
 
         Its answers are its own (another request with the same prompt neither waits with it nor
-        ends its wait). Its probes pin nothing (``prepare_load`` pins what is loaded) and come at
-        most once a step, and in steps at least ``PREFILL_PROBE_S`` apart engine-wide."""
-        if key in wait.answers and (wait.step == self._steps or time.monotonic() < self._next_prefill_probe):
+        ends its wait). Its probes pin nothing and come at most once a step per group, and in
+        steps at least ``PREFILL_PROBE_S`` apart engine-wide."""
+        group = get_offload_group_idx(OffloadKey(key))
+        if key in wait.answers and (wait.probed.get(group) == self._steps
+                                    or time.monotonic() < self._next_prefill_probe):
             return wait.answers[key]
         self._prefill_probed = True
         try:
@@ -526,25 +553,28 @@ class KVStoreOffloadingManager(OffloadingManager):
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             wait.over = True
             return LookupResult.MISS
+        wait.probed[group] = self._steps
         hits = sum(have)
-        whole = have[-1] if windowed else hits == len(chain)
-        if whole or time.monotonic() >= wait.deadline:
+        if have[-1] if windowed else hits == len(chain):
+            wait.whole.add(group)
+        else:
+            wait.whole.discard(group)
+        groups = {get_offload_group_idx(OffloadKey(k)) for k in getattr(req_context, "_offload_key_positions", ())}
+        if wait.whole >= (groups & set(self._chunk_tokens) or {group}) or time.monotonic() >= wait.deadline:
             wait.over, wait.answers = True, {}
-            if not whole:
+            if group not in wait.whole:
                 self._warnings.warning(
                     "kvstore: a do_remote_prefill request found %d of its %d chunks after waiting %.1fs "
                     "(kvstore_remote_prefill_wait_s); computing the rest (does its prefill engine store "
                     "to this namespace?)", hits, len(chain), self._remote_prefill_wait_s)
-            self._probe(key, req_context)  # (pinned; fresh: an answer another request got this step may be older)
-            return self._known.get(key, LookupResult.MISS)
-        if windowed:  # (vLLM scans these from the end; a RETRY anywhere defers the request)
+            return LookupResult.RETRY  # (this step's other answers came unpinned: the next asks anew)
+        if windowed or group in wait.whole:  # (vLLM scans windowed groups from the end: a RETRY anywhere defers)
             wait.answers.update(dict.fromkeys(chain, LookupResult.RETRY))
         else:  # (vLLM scans on past a RETRY, to the next MISS)
             wait.answers.update(dict.fromkeys(chain[:hits], LookupResult.HIT))
             wait.answers[chain[hits]] = LookupResult.RETRY
             if hits + 1 < len(chain):
                 wait.answers[chain[hits + 1]] = LookupResult.MISS
-        wait.step = self._steps
         return wait.answers.get(key, LookupResult.MISS)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -661,9 +691,10 @@ class _PrefillWait:
     """A decode request's wait for its remote prefill's chain (its ReqContext state)."""
 
     deadline: float
-    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probe's
-    step: int = -1  # the scheduling step of the last probe
-    over: bool = False  # the chain was whole, or the time ran out
+    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probes'
+    probed: dict[int, int] = field(default_factory=dict)  # KV-cache group -> the step of its last probe
+    whole: set[int] = field(default_factory=set)  # the groups whose chain was whole at their last probe
+    over: bool = False  # every group's chain was whole, or the time ran out
 
 
 def _remote_decode(req_context: ReqContext) -> bool:
