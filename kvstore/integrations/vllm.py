@@ -405,7 +405,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._world_size = world_size
         self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
         # Sliding-window groups: their window in chunks (vLLM loads the rightmost run of that many hits).
-        self._windows = {g.group_id: g.sliding_window_size_in_chunks for g in groups
+        self._windows = {g.group_id: max(1, g.sliding_window_size_in_chunks) for g in groups
                          if g.sliding_window_size_in_chunks is not None}
         self._windowed = frozenset(self._windows)
         self._lease_ms = lease_ms
