@@ -236,7 +236,7 @@ class Server:
             port = await self.metrics.start()
         except OSError as exc:
             raise _listen_error(self.config.host, self.config.metrics_port, "--metrics-port", exc) from None
-        log.info("metrics served at http://%s:%d/metrics (health: /healthz, /livez)", self.config.host, port,
+        log.info("metrics served at http://%s:%d/metrics (health: /readyz, /healthz, /livez)", self.config.host, port,
                  extra={"event": "metrics_started", "metrics_port": port})
 
     async def _reap_connections(self) -> None:
