@@ -431,3 +431,19 @@ def test_a_sliding_window_hit_is_leased_before_it_is_answered(make_engine: Calla
         client.exists = exists  # type: ignore[method-assign]
         evictor.close()
     assert log.loaded == () and request.num_computed_tokens >= len(prompt)
+
+
+def test_a_sliding_window_prompt_shorter_than_its_window_still_loads(make_engine: Callable[..., Engine],
+                                                                    kvstore_server: ServerProcess) -> None:
+    """vLLM takes a run of hits that reaches the chain's start even when it is shorter than the
+    window; leasing only runs a window long left such a prompt (2 chunks, a 4-chunk window) with
+    nothing to load."""
+    prefill = make_engine(kvstore_server.addr, namespace="short", sliding_window=48)
+    decode = make_engine(kvstore_server.addr, namespace="short", sliding_window=48)
+    prompt = list(range(500, 530))
+    prefill.new_request(prompt)
+    assert prefill.run([EOS_TOKEN_ID]).stored == (0, 1, 2, 3, 4, 5)
+    decode.new_request(prompt)
+    assert decode.run([7, EOS_TOKEN_ID]).loaded == (0, 1, 2, 3, 4, 5)
+    with KVClient(kvstore_server.addr, namespace="short") as kv:
+        assert kv.stats()["store"]["leases"] == 0

@@ -504,15 +504,16 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     def _lease_window(self, wire: list[bytes], have: list[bool], window: int) -> list[bool]:
         """Lease the chunks vLLM would load from a sliding-window chain that ``have`` says are
-        present -- the rightmost run of at least ``window`` -- with one pinned ``LOOKUP``; the
-        chunks it answers as present are those leased (a hit not leased could be evicted before
-        its load, and a failed load stops vLLM)."""
+        present -- the rightmost run of at least ``window``, or a shorter one from the chain's
+        start (vLLM takes that too) -- with one pinned ``LOOKUP``; the chunks it answers as
+        present are those leased (a hit not leased could be evicted before its load, and a
+        failed load stops vLLM)."""
         ws, end = self._world_size, len(have)
         while end > 0:
             start = end
             while start > 0 and have[start - 1]:
                 start -= 1
-            if end - start >= window:
+            if end - start >= window or (start == 0 and end > 0):
                 self.round_trips += 1
                 n = self._client.lookup(wire[start * ws:end * ws], pin=True, lease_ms=self._lease_ms)
                 self._step_pins.update(wire[start * ws:start * ws + n])
