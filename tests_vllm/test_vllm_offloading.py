@@ -447,3 +447,58 @@ def test_a_sliding_window_prompt_shorter_than_its_window_still_loads(make_engine
     assert decode.run([7, EOS_TOKEN_ID]).loaded == (0, 1, 2, 3, 4, 5)
     with KVClient(kvstore_server.addr, namespace="short") as kv:
         assert kv.stats()["store"]["leases"] == 0
+
+
+def test_a_waiting_decode_request_is_never_answered_an_unpinned_hit(make_engine: Callable[..., Engine],
+                                                                    kvstore_server: ServerProcess) -> None:
+    """With max_load_tokens vLLM scans only the chunks below it: the wait answered those HIT from
+    its unpinned probe (its RETRY lay past them), vLLM loaded at once, and a chunk evicted before
+    prepare_load's pin failed the load, which stops vLLM."""
+    prefill = make_engine(kvstore_server.addr, namespace="mu")
+    decode = make_engine(kvstore_server.addr, namespace="mu", kvstore_remote_prefill_wait_s=5)
+    prompt = list(range(600, 650))
+    stored = prefill.new_request(prompt, kv_transfer_params={"do_remote_decode": True})
+    prefill.run([EOS_TOKEN_ID])
+    kv = KVClient(kvstore_server.addr, namespace="mu")
+    kv.delete([chunk_key(stored, 3)])  # the prefill's last chunk: "not stored yet"
+    client = decode.manager.client
+    lookup = client.lookup
+
+    def unpinned_then_evicted(keys: list[bytes], pin: bool = False, **kw: Any) -> int:
+        n = lookup(keys, pin=pin, **kw)
+        if not pin:
+            kv.delete([chunk_key(stored, 0)])  # another engine's stores evict a chunk it found
+        return n
+
+    client.lookup = unpinned_then_evicted  # type: ignore[method-assign]
+    try:
+        waiting = decode.new_request(prompt, kv_transfer_params={"do_remote_prefill": True, "max_load_tokens": 24})
+        assert waiting.request_id not in decode.step(None).num_scheduled_tokens  # (it was loaded at once)
+    finally:
+        client.lookup = lookup  # type: ignore[method-assign]
+    assert decode.manager.client.stats()["store"]["leases"] == 0
+    kv.close()
+
+
+def test_a_hybrid_models_sliding_window_hits_are_leased_in_every_run_vllm_may_take(
+        make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    """A prefill stores a sliding-window group's chunks only inside each prompt's window, so a
+    short prompt then a longer one with it as prefix leave a gap; only the rightmost run was
+    leased (the rest answered MISS), and where the full group's hit stopped before that run,
+    vLLM's scan of the window group saw only misses and the request loaded nothing."""
+    from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
+
+    prefill = make_engine(kvstore_server.addr, namespace="gap", hybrid=True)
+    decode = make_engine(kvstore_server.addr, namespace="gap", hybrid=True)
+    prompt = list(range(700, 825))  # 10 chunks
+    prefill.new_request(prompt[:48], kv_transfer_params={"do_remote_decode": True})
+    prefill.run([EOS_TOKEN_ID])
+    prefill.new_request(prompt, kv_transfer_params={"do_remote_decode": True})
+    keys = [k for t in prefill.run([EOS_TOKEN_ID]).stores for k in t.keys]
+    full = [k for k in keys if get_offload_group_idx(OffloadKey(k)) == 0]
+    with KVClient(kvstore_server.addr, namespace="gap") as kv:
+        assert kv.delete([store_key(full[5], 0)]) == 1  # the full group's hit stops at chunk 5
+        decode.new_request(prompt)
+        log = decode.run([7, EOS_TOKEN_ID])
+        assert log.loaded  # (loaded nothing: the window group's scan saw only misses)
+        assert kv.stats()["store"]["leases"] == 0

@@ -503,24 +503,24 @@ class KVStoreOffloadingManager(OffloadingManager):
         return chain, [i < hits for i in range(len(chain))], False
 
     def _lease_window(self, wire: list[bytes], have: list[bool], window: int) -> list[bool]:
-        """Lease the chunks vLLM would load from a sliding-window chain that ``have`` says are
-        present -- the rightmost run of at least ``window``, or a shorter one from the chain's
-        start (vLLM takes that too) -- with one pinned ``LOOKUP``; the chunks it answers as
+        """Lease the chunks vLLM may load from a sliding-window chain that ``have`` says are
+        present -- each run of at least ``window``, and a shorter one from the chain's start
+        (vLLM scans only as far as other groups and ``max_load_tokens`` allow, and takes the
+        rightmost such run it sees) -- with one pinned ``LOOKUP`` a run; the chunks it answers as
         present are those leased (a hit not leased could be evicted before its load, and a
-        failed load stops vLLM)."""
-        ws, end = self._world_size, len(have)
-        while end > 0:
-            start = end
-            while start > 0 and have[start - 1]:
-                start -= 1
-            if end - start >= window or (start == 0 and end > 0):
+        failed load stops vLLM). Unused leases go at the step's end."""
+        ws, leased, start = self._world_size, [False] * len(have), 0
+        while start < len(have):
+            end = start
+            while end < len(have) and have[end]:
+                end += 1
+            if end > start and (end - start >= window or start == 0):
                 self.round_trips += 1
                 n = self._client.lookup(wire[start * ws:end * ws], pin=True, lease_ms=self._lease_ms)
                 self._step_pins.update(wire[start * ws:start * ws + n])
-                leased = start + n // ws
-                return [start <= i < leased for i in range(len(have))]
-            end = start - 1 if start == end else start
-        return [False] * len(have)
+                leased[start:start + n // ws] = [True] * (n // ws)
+            start = end + 1
+        return leased
 
     def _probe(self, key: bytes, req_context: ReqContext) -> None:
         try:
@@ -555,27 +555,24 @@ class KVStoreOffloadingManager(OffloadingManager):
             wait.over = True
             return LookupResult.MISS
         wait.probed[group] = self._steps
-        hits = sum(have)
-        if have[-1] if windowed else hits == len(chain):
+        if have[-1] if windowed else all(have):
             wait.whole.add(group)
         else:
             wait.whole.discard(group)
         groups = {get_offload_group_idx(OffloadKey(k)) for k in getattr(req_context, "_offload_key_positions", ())}
-        if wait.whole >= (groups & set(self._chunk_tokens) or {group}) or time.monotonic() >= wait.deadline:
+        groups = groups & set(self._chunk_tokens) or {group}
+        if wait.whole >= groups or time.monotonic() >= wait.deadline:
             wait.over, wait.answers = True, {}
-            if group not in wait.whole:
+            if not wait.whole >= groups:
                 self._warnings.warning(
-                    "kvstore: a do_remote_prefill request found %d of its %d chunks after waiting %.1fs "
-                    "(kvstore_remote_prefill_wait_s); computing the rest (does its prefill engine store "
-                    "to this namespace?)", hits, len(chain), self._remote_prefill_wait_s)
+                    "kvstore: a do_remote_prefill request's chain was not whole after waiting %.1fs "
+                    "(kvstore_remote_prefill_wait_s; KV-cache groups whole: %s of %s); computing the rest "
+                    "(does its prefill engine store to this namespace?)", self._remote_prefill_wait_s,
+                    sorted(wait.whole), sorted(groups))
             return LookupResult.RETRY  # (this step's other answers came unpinned: the next asks anew)
-        if windowed or group in wait.whole:  # (vLLM scans windowed groups from the end: a RETRY anywhere defers)
-            wait.answers.update(dict.fromkeys(chain, LookupResult.RETRY))
-        else:  # (vLLM scans on past a RETRY, to the next MISS)
-            wait.answers.update(dict.fromkeys(chain[:hits], LookupResult.HIT))
-            wait.answers[chain[hits]] = LookupResult.RETRY
-            if hits + 1 < len(chain):
-                wait.answers[chain[hits + 1]] = LookupResult.MISS
+        # Every chunk RETRY, none an unpinned HIT: vLLM may stop scanning before a RETRY (its
+        # max_load_tokens, another group's shorter hit) and load what it saw as hits.
+        wait.answers.update(dict.fromkeys(chain, LookupResult.RETRY))
         return wait.answers.get(key, LookupResult.MISS)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
