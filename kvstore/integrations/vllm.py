@@ -404,7 +404,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._client = client
         self._world_size = world_size
         self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
-        # Sliding-window groups: their window in chunks (vLLM loads the rightmost run of that many hits).
+        # Sliding-window groups: their window in chunks (a run of that many hits is what vLLM loads).
         self._windows = {g.group_id: max(1, g.sliding_window_size_in_chunks) for g in groups
                          if g.sliding_window_size_in_chunks is not None}
         self._windowed = frozenset(self._windows)
@@ -481,7 +481,8 @@ class KVStoreOffloadingManager(OffloadingManager):
     def _ask(self, key: bytes, req_context: ReqContext, pin: bool) -> tuple[list[bytes], list[bool], bool]:
         """The request's chain of ``key``'s group, whether the server has each chunk (all ranks),
         and whether the group is a sliding-window one: those vLLM scans from the end are asked
-        whole with one ``EXISTS``; the others with one prefix ``LOOKUP`` from ``key`` on (which
+        whole with one ``EXISTS`` (then, when ``pin``, the runs vLLM may load are leased:
+        :meth:`_lease_window`); the others with one prefix ``LOOKUP`` from ``key`` on (which
         leases the hits when ``pin``), the chunks past the first missing one counted absent.
 
         Raises:
@@ -544,9 +545,9 @@ class KVStoreOffloadingManager(OffloadingManager):
         ends its wait). Its probes pin nothing and come at most once a step per group, and in
         steps at least ``PREFILL_PROBE_S`` apart engine-wide."""
         group = get_offload_group_idx(OffloadKey(key))
-        if key in wait.answers and (wait.probed.get(group) == self._steps
-                                    or time.monotonic() < self._next_prefill_probe):
-            return wait.answers[key]
+        if key in wait.deferred and (wait.probed.get(group) == self._steps
+                                     or time.monotonic() < self._next_prefill_probe):
+            return LookupResult.RETRY
         self._prefill_probed = True
         try:
             chain, have, windowed = self._ask(key, req_context, pin=False)
@@ -562,7 +563,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         groups = {get_offload_group_idx(OffloadKey(k)) for k in getattr(req_context, "_offload_key_positions", ())}
         groups = groups & set(self._chunk_tokens) or {group}
         if wait.whole >= groups or time.monotonic() >= wait.deadline:
-            wait.over, wait.answers = True, {}
+            wait.over, wait.deferred = True, set()
             if not wait.whole >= groups:
                 self._warnings.warning(
                     "kvstore: a do_remote_prefill request's chain was not whole after waiting %.1fs "
@@ -572,8 +573,8 @@ class KVStoreOffloadingManager(OffloadingManager):
             return LookupResult.RETRY  # (this step's other answers came unpinned: the next asks anew)
         # Every chunk RETRY, none an unpinned HIT: vLLM may stop scanning before a RETRY (its
         # max_load_tokens, another group's shorter hit) and load what it saw as hits.
-        wait.answers.update(dict.fromkeys(chain, LookupResult.RETRY))
-        return wait.answers.get(key, LookupResult.MISS)
+        wait.deferred.update(chain)
+        return LookupResult.RETRY
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -689,7 +690,7 @@ class _PrefillWait:
     """A decode request's wait for its remote prefill's chain (its ReqContext state)."""
 
     deadline: float
-    answers: dict[bytes, LookupResult] = field(default_factory=dict)  # the last probes'
+    deferred: set[bytes] = field(default_factory=set)  # chunks its probes answered RETRY
     probed: dict[int, int] = field(default_factory=dict)  # KV-cache group -> the step of its last probe
     whole: set[int] = field(default_factory=set)  # the groups whose chain was whole at their last probe
     over: bool = False  # every group's chain was whole, or the time ran out
