@@ -485,7 +485,9 @@ async def test_a_cancelled_request_leaves_the_other_requests_on_its_connection_a
                 assert await kv.get_into(keys[:n], bufs, unpin=True) == [True] * n and bufs == blocks[:n]
 
             cancelled: list[list[bytearray]] = []
-            for _ in range(120):
+            for _ in range(600):  # until enough cancels came while their reply was coming in, bounded
+                if len(cancelled) >= 20 and drops >= 3:
+                    break
                 bufs = [bytearray(1 << 20) for _ in keys]
                 other = asyncio.ensure_future(innocent())
                 try:
@@ -498,7 +500,7 @@ async def test_a_cancelled_request_leaves_the_other_requests_on_its_connection_a
             await kv.ping()
             assert kv.nodes[0].conns == [conn] and not conn.closed  # never discarded
             assert all(b == b"\xee" * len(b) for bufs in cancelled for b in bufs)
-            assert cancelled and drops  # (some cancels came while their reply was coming in)
+            assert len(cancelled) >= 20 and drops >= 3  # (some cancels came while their reply was coming in)
             store = (await kv.stats())["store"]
             assert store["leases"] == 0 and store["pinned_blocks"] == 0
 
