@@ -259,6 +259,19 @@ def test_unreachable_server_means_misses(make_engine: Callable[..., Engine], kvs
     assert not engine.scheduler.requests
 
 
+def test_waiting_decode_requests_stop_waiting_when_the_server_fails(make_engine: Callable[..., Engine],
+                                                                    kvstore_server: ServerProcess) -> None:
+    """A round's failure ends the wait of every request it asked about: they compute their prompts
+    at once instead of waiting out kvstore_remote_prefill_wait_s on a server that is gone."""
+    engine = make_engine(kvstore_server.addr, kvstore_remote_prefill_wait_s=600)
+    waiting = [engine.new_request(list(range(2000 + 100 * i, 2030 + 100 * i)),
+                                  kv_transfer_params={"do_remote_prefill": True}) for i in range(3)]
+    assert not engine.step(None).num_scheduled_tokens  # all three wait
+    kvstore_server.stop()
+    engine.run([0, EOS_TOKEN_ID])  # (raises "tokens were never sampled" if they still wait)
+    assert all(r.num_computed_tokens >= 30 for r in waiting) and not engine.scheduler.requests
+
+
 def test_refused_store_is_not_fatal(make_engine: Callable[..., Engine],
                                     make_server: Callable[..., ServerProcess]) -> None:
     server = make_server("--capacity", "1MiB")
@@ -405,6 +418,43 @@ def test_a_decode_request_of_a_hybrid_model_waits_for_every_groups_chain(make_en
         assert kv.stats()["store"]["leases"] == 0
 
 
+@SYNC_ASYNC
+def test_waiting_decode_requests_are_asked_about_together_in_one_round_trip(make_engine: Callable[..., Engine],
+                                                                             kvstore_server: ServerProcess,
+                                                                             async_scheduling: bool) -> None:
+    """Each waiting request was probed on its own: 16 waiting cost ~440 LOOKUPs a second. A round
+    now asks about every waiting request at once; each still ends its wait on its own chain."""
+    import time
+
+    prefill = make_engine(kvstore_server.addr, namespace="many", async_scheduling=async_scheduling)
+    decode = make_engine(kvstore_server.addr, namespace="many", async_scheduling=async_scheduling,
+                         kvstore_remote_prefill_wait_s=30)
+    prompts = [list(range(1000 + 100 * i, 1050 + 100 * i)) for i in range(8)]
+    waiting = [decode.new_request(p, kv_transfer_params={"do_remote_prefill": True}) for p in prompts]
+    decode.step(None)  # (each request's first question is a round of its own)
+    server = decode.manager.client
+    for _ in range(4):
+        time.sleep(0.03)  # (past the probe interval: the next step asks again)
+        before, ops = decode.manager.round_trips, server.stats()["requests"]
+        out = decode.step(None)
+        after = server.stats()["requests"]
+        assert not set(out.num_scheduled_tokens) & {r.request_id for r in waiting}
+        assert decode.manager.round_trips - before == 1  # (8, one per waiting request)
+        asked = {op: after.get(op, 0) - ops.get(op, 0) for op in ("exists", "lookup")}
+        assert asked == {"exists": 1, "lookup": 0}, asked
+    prefill.new_request(prompts[3], kv_transfer_params={"do_remote_decode": True})
+    prefill.run([EOS_TOKEN_ID])
+    scheduled: set[str] = set()
+    gets = server.stats()["requests"].get("get", 0)
+    for _ in range(20):  # its round finds prompt 3 whole: that one request ends its wait, loads, runs
+        time.sleep(0.03)
+        scheduled |= set(decode.step(None).num_scheduled_tokens)
+        if waiting[3].request_id in scheduled:
+            break
+    assert scheduled == {waiting[3].request_id}
+    assert server.stats()["requests"].get("get", 0) > gets  # (its chain loaded, not computed)
+
+
 def test_a_sliding_window_hit_is_leased_before_it_is_answered(make_engine: Callable[..., Engine],
                                                               kvstore_server: ServerProcess) -> None:
     """A sliding-window group is asked with EXISTS, which leases nothing: a block evicted between
@@ -462,7 +512,7 @@ def test_a_waiting_decode_request_is_never_answered_an_unpinned_hit(make_engine:
     kv = KVClient(kvstore_server.addr, namespace="mu")
     kv.delete([chunk_key(stored, 3)])  # the prefill's last chunk: "not stored yet"
     client = decode.manager.client
-    lookup = client.lookup
+    lookup, exists = client.lookup, client.exists
 
     def unpinned_then_evicted(keys: list[bytes], pin: bool = False, **kw: Any) -> int:
         n = lookup(keys, pin=pin, **kw)
@@ -470,12 +520,17 @@ def test_a_waiting_decode_request_is_never_answered_an_unpinned_hit(make_engine:
             kv.delete([chunk_key(stored, 0)])  # another engine's stores evict a chunk it found
         return n
 
-    client.lookup = unpinned_then_evicted  # type: ignore[method-assign]
+    def exists_then_evicted(keys: list[bytes]) -> list[bool]:
+        present = exists(keys)
+        kv.delete([chunk_key(stored, 0)])
+        return present
+
+    client.lookup, client.exists = unpinned_then_evicted, exists_then_evicted  # type: ignore[method-assign]
     try:
         waiting = decode.new_request(prompt, kv_transfer_params={"do_remote_prefill": True, "max_load_tokens": 24})
         assert waiting.request_id not in decode.step(None).num_scheduled_tokens  # (it was loaded at once)
     finally:
-        client.lookup = lookup  # type: ignore[method-assign]
+        client.lookup, client.exists = lookup, exists  # type: ignore[method-assign]
     assert decode.manager.client.stats()["store"]["leases"] == 0
     kv.close()
 

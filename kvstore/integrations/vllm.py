@@ -97,7 +97,7 @@ DEFAULT_QUARANTINE_S = 5.0
 # vLLM answers a finished prefill before its stores run (they start at the next engine step): a
 # decode request sent on at once would find part of the prompt and compute the rest. One marked
 # do_remote_prefill waits this long for the whole chain; the scheduler asks again at every step,
-# the server is asked for the waiting requests at most every PREFILL_PROBE_S.
+# the server is asked about all the waiting requests at once, at most every PREFILL_PROBE_S.
 DEFAULT_REMOTE_PREFILL_WAIT_S = 3.0
 PREFILL_PROBE_S = 0.02
 # Host payload buffers a worker keeps for reuse, per direction (pinned memory is
@@ -415,6 +415,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._known: dict[bytes, LookupResult] = {}  # this step's answers
         self._steps = 0  # scheduling steps ended
         self._prefill_probed = False  # whether this step asked the server for a waiting request
+        self._waiting: dict[str, tuple[ReqContext, _PrefillWait]] = {}  # req_id -> a do_remote_prefill wait
         self._next_prefill_probe = 0.0  # when the waiting requests may be asked about again
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
@@ -542,39 +543,68 @@ class KVStoreOffloadingManager(OffloadingManager):
         more, and from the next step the lookup any request gets (pinned, every group asked anew).
 
         Its answers are its own (another request with the same prompt neither waits with it nor
-        ends its wait). Its probes pin nothing and come at most once a step per group, and in
-        steps at least ``PREFILL_PROBE_S`` apart engine-wide."""
+        ends its wait). The server is asked in rounds (:meth:`_probe_waiting`): at most one a
+        step for a group, in steps at least ``PREFILL_PROBE_S`` apart engine-wide, unless vLLM
+        asks about a chunk no round has covered yet (a new request, another group)."""
         group = get_offload_group_idx(OffloadKey(key))
-        if key in wait.deferred and (wait.probed.get(group) == self._steps
-                                     or time.monotonic() < self._next_prefill_probe):
+        fresh = key not in wait.deferred
+        if fresh:
+            wait.starts[group] = bytes(key)  # (a full group is asked from past the engine's own prefix cache)
+        if fresh or (wait.probed.get(group) != self._steps and time.monotonic() >= self._next_prefill_probe):
+            if not self._probe_waiting(req_context, wait, group):
+                return LookupResult.MISS  # (no waiting on a server that fails)
+        if not (wait.whole >= wait.groups or time.monotonic() >= wait.deadline):
+            # Every chunk RETRY, none an unpinned HIT: vLLM may stop scanning before a RETRY (its
+            # max_load_tokens, another group's shorter hit) and load what it saw as hits.
             return LookupResult.RETRY
+        self._end_wait(req_context.req_id, wait)
+        if not wait.whole >= wait.groups:
+            self._warnings.warning(
+                "kvstore: a do_remote_prefill request's chain was not whole after waiting %.1fs "
+                "(kvstore_remote_prefill_wait_s; KV-cache groups whole: %s of %s); computing the rest "
+                "(does its prefill engine store to this namespace?)", self._remote_prefill_wait_s,
+                sorted(wait.whole), sorted(wait.groups))
+        return LookupResult.RETRY  # (this step's other answers came unpinned: the next asks anew)
+
+    def _probe_waiting(self, req_context: ReqContext, wait: _PrefillWait, group: int) -> bool:
+        """One unpinned ``EXISTS`` for this request's ``group`` and for every group of every waiting
+        request that no round asked about this step, so that many waiting requests cost one round
+        trip, not one each. False (every wait of the round over) when the server failed."""
+        now = time.monotonic()
+        for req_id, (_, w) in list(self._waiting.items()):
+            if now >= w.deadline + 60:  # (finished without on_request_finished: forgotten)
+                del self._waiting[req_id]
+        self._waiting[req_context.req_id] = (req_context, wait)
+        due = [(ctx, w, g) for ctx, w in self._waiting.values() if w is wait or not (w.over or now >= w.deadline)
+               for g in w.starts if w.probed.get(g) != self._steps or (w is wait and g == group)]
+        chains = [self._chain(w.starts[g], ctx, whole_group=g in self._windowed) for ctx, w, g in due]
         self._prefill_probed = True
+        self.round_trips += 1
         try:
-            chain, have, windowed = self._ask(key, req_context, pin=False)
-        except KVStoreError as exc:  # (no waiting on a server that fails)
+            present = self._client.exists(self._wire([k for chain in chains for k in chain]))
+        except KVStoreError as exc:
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
-            wait.over = True
-            return LookupResult.MISS
-        wait.probed[group] = self._steps
-        if have[-1] if windowed else all(have):
-            wait.whole.add(group)
-        else:
-            wait.whole.discard(group)
-        groups = {get_offload_group_idx(OffloadKey(k)) for k in getattr(req_context, "_offload_key_positions", ())}
-        groups = groups & set(self._chunk_tokens) or {group}
-        if wait.whole >= groups or time.monotonic() >= wait.deadline:
-            wait.over, wait.deferred = True, set()
-            if not wait.whole >= groups:
-                self._warnings.warning(
-                    "kvstore: a do_remote_prefill request's chain was not whole after waiting %.1fs "
-                    "(kvstore_remote_prefill_wait_s; KV-cache groups whole: %s of %s); computing the rest "
-                    "(does its prefill engine store to this namespace?)", self._remote_prefill_wait_s,
-                    sorted(wait.whole), sorted(groups))
-            return LookupResult.RETRY  # (this step's other answers came unpinned: the next asks anew)
-        # Every chunk RETRY, none an unpinned HIT: vLLM may stop scanning before a RETRY (its
-        # max_load_tokens, another group's shorter hit) and load what it saw as hits.
-        wait.deferred.update(chain)
-        return LookupResult.RETRY
+            for ctx, w, _ in due:
+                self._end_wait(ctx.req_id, w)
+            return False
+        at = 0
+        for (ctx, w, g), chain in zip(due, chains):
+            have = [self._all_ranks(present, at + i) for i in range(len(chain))]
+            at += len(chain)
+            w.probed[g] = self._steps
+            w.deferred.update(chain)
+            if have[-1] if g in self._windowed else all(have):
+                w.whole.add(g)
+            else:
+                w.whole.discard(g)
+            positions = getattr(ctx, "_offload_key_positions", ())
+            w.groups = {get_offload_group_idx(OffloadKey(k)) for k in positions} & set(self._chunk_tokens) \
+                or set(w.starts)
+        return True
+
+    def _end_wait(self, req_id: str, wait: _PrefillWait) -> None:
+        wait.over, wait.deferred = True, set()
+        self._waiting.pop(req_id, None)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -595,6 +625,9 @@ class KVStoreOffloadingManager(OffloadingManager):
                     logger.warning("kvstore: %d of %d blocks to load are gone already", len(unpinned) - n,
                                    len(unpinned))
         return KVStoreLoadStoreSpec(keys)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._waiting.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._steps += 1
@@ -618,7 +651,9 @@ class KVStoreOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         params = req_context.kv_transfer_params
         if self._remote_prefill_wait_s and params and params.get("do_remote_prefill"):
-            req_context.set_state(_PrefillWait(deadline=time.monotonic() + self._remote_prefill_wait_s))
+            wait = _PrefillWait(deadline=time.monotonic() + self._remote_prefill_wait_s)
+            req_context.set_state(wait)
+            self._waiting[req_context.req_id] = (req_context, wait)
         if _remote_decode(req_context):
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
@@ -690,9 +725,11 @@ class _PrefillWait:
     """A decode request's wait for its remote prefill's chain (its ReqContext state)."""
 
     deadline: float
-    deferred: set[bytes] = field(default_factory=set)  # chunks its probes answered RETRY
+    starts: dict[int, bytes] = field(default_factory=dict)  # KV-cache group -> the chunk vLLM asks it from
+    deferred: set[bytes] = field(default_factory=set)  # chunks a probe covered (all answered RETRY)
     probed: dict[int, int] = field(default_factory=dict)  # KV-cache group -> the step of its last probe
     whole: set[int] = field(default_factory=set)  # the groups whose chain was whole at their last probe
+    groups: set[int] = field(default_factory=set)  # the request's KV-cache groups (known at a probe)
     over: bool = False  # every group's chain was whole, or the time ran out
 
 
