@@ -74,6 +74,12 @@ _NS_SAFE = "/=+,@"
 MODES = ("write-through", "write-behind")
 # (RuntimeError: under uvloop, redis-py writing to a connection Redis reset right after accepting it
 # raises "unable to perform operation on <TCPTransport closed=True>": an outage like the others.)
+#: Pipelines the tier runs at once (the rest wait their turn). redis-py raises, rather than waits,
+#: once its pool holds ``max_connections`` (100 by default): under a burst of requests that read
+#: through, that failed requests and marked the tier down. The pool keeps a few connections more
+#: for what runs beside the pipelines (the health probe, a flush's SCAN).
+MAX_PIPELINES = 64
+_SPARE_CONNECTIONS = 16
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RuntimeError)
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
@@ -457,6 +463,7 @@ class RedisTier(Tier):
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
         self._flushing: dict[str, _FlushGate] = {}
         self._waking: asyncio.Task[None] | None = None
+        self._pipelines = asyncio.Semaphore(MAX_PIPELINES)  # in flight at once, each on a connection per node
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "misplaced_values": 0, "failures": 0, "outages": 0}
 
@@ -476,14 +483,15 @@ class RedisTier(Tier):
         client: Redis | RedisCluster
         if config.redis:
             try:
-                client = Redis.from_url(config.redis, **timeouts)
+                client = Redis.from_url(config.redis, max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS, **timeouts)
                 pool = client.connection_pool  # an option Redis lacks (?foo=1) fails here, not at the first request
                 pool.connection_class(**pool.connection_kwargs)  # (builds a connection object; connects nothing)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {_masked(str(exc), config.redis)}") from None
             target = redact(config.redis)
         else:
-            client, target = cluster_client(config.redis_cluster or "", max_connections=1024, **timeouts)
+            client, target = cluster_client(config.redis_cluster or "", max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS,
+                                            **timeouts)
         return cls(client, target=target, mode=config.redis_mode, queue_bytes=config.redis_queue_bytes,
                    ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0),
                    timeout_s=config.redis_timeout)
@@ -616,23 +624,26 @@ class RedisTier(Tier):
         """
         if not self._up.is_set():
             raise self._unavailable()
-        # A cluster pipeline returns a node's lost connection in its commands' places instead of
-        # reconnecting: such a result gets the pipeline sent once more (every command here may
-        # run twice: SET, GET, EXISTS, DEL, and counters that are only hints).
-        for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            for cmd in commands:
-                pipe.execute_command(*cmd)
-            try:
-                results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
-            except _REDIS_ERRORS as exc:
-                self._mark_down(exc)
-                raise self._unavailable() from None
-            outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
-            if outage is None:
-                return results
-        self._mark_down(outage)
-        raise self._unavailable()
+        async with self._pipelines:  # (a burst of requests beyond redis-py's pool failed as an outage)
+            if not self._up.is_set():  # (it went down while this one waited its turn)
+                raise self._unavailable()
+            # A cluster pipeline returns a node's lost connection in its commands' places instead of
+            # reconnecting: such a result gets the pipeline sent once more (every command here may
+            # run twice: SET, GET, EXISTS, DEL, and counters that are only hints).
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                for cmd in commands:
+                    pipe.execute_command(*cmd)
+                try:
+                    results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
+                except _REDIS_ERRORS as exc:
+                    self._mark_down(exc)
+                    raise self._unavailable() from None
+                outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
+                if outage is None:
+                    return results
+            self._mark_down(outage)
+            raise self._unavailable()
 
     def _refused(self, results: Sequence[Any], what: str) -> None:
         """Raise ``Unavailable`` (the tier stays up) if Redis refused any of ``results``' commands."""

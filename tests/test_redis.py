@@ -18,7 +18,7 @@ import xxhash
 from kvstore.client import AsyncKVClient
 from kvstore.errors import IntegrityError, TooLarge, Unavailable
 from kvstore.server.process import ServerProcess
-from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, block_key, key_tag, ns_record_key
+from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, MAX_PIPELINES, block_key, key_tag, ns_record_key
 
 from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
 from shm_helpers import unix_path  # noqa: F401  (a fixture)
@@ -247,6 +247,29 @@ async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(m
     srv.wait_log("takes write-behind blocks again")
     assert all(in_redis(redis, NS, keys))
     assert log_count(srv, "write-behind blocks refused") == 1  # once, not per retry
+
+
+async def test_a_burst_of_reads_through_the_tier_is_served_whole_and_is_no_outage(redis_server: RedisProcess,
+                                                                                   make_server) -> None:
+    """1,600 GETs at once that memory misses: redis-py's pool raised MaxConnectionsError past 100
+    connections, the tier went down for a moment and 200-1,500 of them answered "missing". The
+    tier now runs at most MAX_PIPELINES at once; the rest wait their turn."""
+    srv = make_server("--capacity", "8MiB", "--redis", redis_server.url)
+    keys = chain(200, "burst")
+    data = blocks(keys, 256 << 10)  # 50 MiB: the first 40 blocks are in Redis only
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        for i in range(0, 200, 20):
+            await kv.put(keys[i:i + 20], data[i:i + 20])
+        readers = [AsyncKVClient(srv.addr, namespace=NS, pool_size=4) for _ in range(40)]
+        try:
+            got = await asyncio.gather(*(r.get([k]) for r in readers for k in keys[:40]))
+        finally:
+            await asyncio.gather(*(r.close() for r in readers))
+        assert [payloads(g)[0] for g in got] == data[:40] * 40
+        tier = (await kv.stats())["tier"]
+        assert tier["state"] == "ok" and tier["outages"] == 0, tier["last_error"]
+    clients = int(redis_server.cli("INFO", "clients").split("connected_clients:")[1].split()[0])
+    assert clients <= MAX_PIPELINES + 17  # (the pool's spare connections, and redis-cli)
 
 
 # ---------------------------------------------------------------- write-behind
