@@ -172,6 +172,50 @@ def test_a_silent_server_costs_the_scheduler_one_timeout_not_one_per_request(mak
     m.shutdown()
 
 
+def test_a_silent_server_costs_the_workers_stores_one_timeout_not_one_per_job(make_server: Any,
+                                                                              monkeypatch: Any) -> None:
+    """The worker stores on one thread: with the server paused, each queued store job waited the
+    transfer timeout (30 s at least) in turn, its GPU blocks held. Its stores now give up on a
+    silent server for kvstore_quarantine_s; its loads still try."""
+    import os
+    import signal
+
+    import kvstore.integrations.vllm as adapter
+
+    monkeypatch.setattr(adapter, "MIN_TRANSFER_TIMEOUT_S", 1.0)
+    server = make_server("--capacity", "1MiB")
+    spec = KVStoreOffloadingSpec.__new__(KVStoreOffloadingSpec)  # (its settings alone: no vLLM config)
+    spec.settings = KVStoreSettings.from_config(offloading_config({"kvstore_addr": server.addr, "kvstore_timeout": 1}))
+    spec.config, spec._manager, spec._worker = offloading_config(), None, None
+    spec.blocks_per_chunk = 3
+    src, caches = paged_caches(seed=3)
+    w = spec.get_worker(caches)
+    chains = [keys(1, b"silent%d" % i) for i in range(4)]
+    gpu = GPULoadStoreSpec([0, 1, 2], [3], [0])
+    assert w.submit_store(1, gpu, KVStoreLoadStoreSpec(chains[0]))
+    finish(w, 1)  # (both clients connected before the pause)
+    assert w.submit_load(2, KVStoreLoadStoreSpec(chains[0]), GPULoadStoreSpec([3, 4, 5], [3], [0]))
+    finish(w, 2)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        for job in (3, 4, 5):
+            assert w.submit_store(job, gpu, KVStoreLoadStoreSpec(chains[job - 2]))
+        w.wait({3, 4, 5})
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert sorted((r.job_id, r.success) for r in w.get_finished()) == [(3, True), (4, True), (5, True)]
+    assert w.store_failures == 3  # (reported done: the chunks stay uncached)
+    assert w.submit_load(6, KVStoreLoadStoreSpec(chains[0]), GPULoadStoreSpec([6, 7, 8], [3], [0]))
+    finish(w, 6)  # the load client was not quarantined
+    for s in src:
+        assert torch.equal(s[[6, 7, 8]], s[[0, 1, 2]])
+    with KVClient(server.addr, namespace="parts") as kv:
+        # the worker's two and this one: no store after the first timeout connected again (each
+        # did, 9 connections in all, and waited out its timeout)
+        assert kv.stats()["connections_total"] == 3
+    w.shutdown()
+
+
 def test_spec_refuses_canonical_layout() -> None:
     import dataclasses
 

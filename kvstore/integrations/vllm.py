@@ -161,7 +161,8 @@ class KVStoreSettings:
         quarantine_s: ``kvstore_quarantine_s``: after a scheduler request to a server
             times out (or cannot connect), that server is not asked for this long (doubled
             while it stays silent, up to 8x): its lookups miss at once. 0: every request
-            tries. The workers' transfers always try (a load that fails stops vLLM).
+            tries. The workers' stores too are skipped for that long after one timed out;
+            their loads always try (a load that fails stops vLLM).
     """
 
     addr: str | tuple[str, ...] = DEFAULT_ADDR
@@ -788,11 +789,17 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     done: the chunks simply stay uncached. A load that cannot get every block
     is reported failed -- vLLM 0.33 treats that as fatal rather than compute on
     garbage.
+
+    Stores may go through a client of their own (``store_client``, the spec's
+    gives up on a silent server for a while: the stores queued behind one that
+    timed out then fail at once instead of a timeout each, holding their GPU
+    blocks); loads always try.
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, client: KVClient, *, blocks_per_chunk: int,
-                 rank: int = 0, layout_tag: str | None = None) -> None:
+                 rank: int = 0, layout_tag: str | None = None, store_client: KVClient | None = None) -> None:
         self._client = client
+        self._store_client = client if store_client is None else store_client
         self._rank = rank
         self._bpc = blocks_per_chunk
         self._transfers: list[PagedKVTransfer | None] = []
@@ -846,10 +853,11 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         for executor in (self._stores, self._loads, self._expedited):
             executor.shutdown(wait=True)
-        try:
-            self._client.close()
-        except KVStoreError:  # pragma: no cover
-            pass
+        for client in {id(c): c for c in (self._client, self._store_client)}.values():
+            try:
+                client.close()
+            except KVStoreError:  # pragma: no cover
+                pass
 
     # -- planning
     def _parts(self, gpu: GPULoadStoreSpec, keys: Sequence[bytes],
@@ -904,7 +912,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                 try:
                     part.transfer.gather(ids, out=buffers)
                     for lo, hi in _runs(keys, parents):  # one put per stretch of consecutive chunks
-                        self._client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]], parent=parents[lo])
+                        self._store_client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]],
+                                               parent=parents[lo])
                 finally:  # put has returned: the server has the bytes, or will never get them
                     self._store_buffers.give(part.transfer, buffers)
                 nbytes += len(keys) * part.transfer.payload_size
@@ -997,11 +1006,19 @@ class KVStoreOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            timeout = max(self.settings.timeout, MIN_TRANSFER_TIMEOUT_S)
+            loads = self.settings.client(timeout=timeout)
+            try:
+                stores = self.settings.client(timeout=timeout, quarantine=True)
+            except BaseException:
+                loads.close()
+                raise
             self._worker = KVStoreOffloadingWorker(
                 kv_caches,
-                self.settings.client(timeout=max(self.settings.timeout, MIN_TRANSFER_TIMEOUT_S)),
+                loads,
                 blocks_per_chunk=self.blocks_per_chunk,
                 rank=self.config.parallel.rank,
                 layout_tag=layout_tag(self.config),
+                store_client=stores,
             )
         return self._worker
