@@ -72,14 +72,14 @@ HEADER_SIZE = HEADER.size  # 16
 _NS_SAFE = "/=+,@"
 
 MODES = ("write-through", "write-behind")
-# (RuntimeError: under uvloop, redis-py writing to a connection Redis reset right after accepting it
-# raises "unable to perform operation on <TCPTransport closed=True>": an outage like the others.)
 #: Pipelines the tier runs at once (the rest wait their turn). redis-py raises, rather than waits,
 #: once its pool holds ``max_connections`` (100 by default): under a burst of requests that read
 #: through, that failed requests and marked the tier down. The pool keeps a few connections more
 #: for what runs beside the pipelines (the health probe, a flush's SCAN).
 MAX_PIPELINES = 64
 _SPARE_CONNECTIONS = 16
+# (RuntimeError: under uvloop, redis-py writing to a connection Redis reset right after accepting it
+# raises "unable to perform operation on <TCPTransport closed=True>": an outage like the others.)
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RuntimeError)
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
