@@ -529,7 +529,8 @@ class Service:
             "tier": self.tier.stats() if self.tier is not None else None,
             "shm": self.shm.stats(),
             "busy_poll": {"window_us": self.config.busy_poll_us,
-                          "seconds": round(self.poll.seconds, 6) if self.poll is not None else 0.0},  # idle polling
+                          "seconds": round(self.poll.seconds, 6) if self.poll is not None else 0.0,  # idle polling
+                          "turns": self.poll.turns if self.poll is not None else 0},
         }
 
 

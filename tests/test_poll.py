@@ -67,7 +67,11 @@ async def test_a_server_serves_with_any_window_and_sleeps_once_traffic_stops(mak
         polled = (await c.stats())["busy_poll"]
     window = int(flags[1]) if flags else 200
     assert polled["window_us"] == window
-    assert (polled["seconds"] > 0) == (window > 0)  # what polling cost, for the operator
+    assert (polled["turns"] > 0) == (window > 0)  # it polled after requests (or never, window 0)
+    # (What polling cost, "seconds", counts only turns that found nothing to do, and each turn yields
+    # the core first: a window that a busy core takes whole counts none. The unit tests above check it.)
+    if not window:
+        assert polled["seconds"] == 0
     # A server still polling would have used the whole second; a sleeping one uses ~nothing.
     assert used < 0.5, f"the server used {used:.2f} s of CPU in 1 s without requests"
 
@@ -104,6 +108,5 @@ async def test_a_tls_server_polls_between_requests_too(make_server, tls_files) -
     async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), pool_size=1) as c:
         for _ in range(50):
             await c.ping()
-        await asyncio.sleep(0.05)
-        polled = (await c.stats())["busy_poll"]["seconds"]
+        polled = (await c.stats())["busy_poll"]["turns"]
     assert polled > 0, "the server never polled after a TLS request"
