@@ -55,6 +55,14 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+def reserved_bytes(addr: str) -> int:
+    """The bytes a kvstore server holds for blocks on their way in (its stats, asked on a connection of its own)."""
+    from kvstore.client import KVClient
+
+    with KVClient(addr, retries=0) as kv:
+        return int(kv.stats()["store"]["reserved_bytes"])
+
+
 def make_cert(directory: Path) -> Path:
     """A self-signed EC certificate for 127.0.0.1 (``redis.crt``, key beside it as ``redis.key``)."""
     cert, key = directory / "redis.crt", directory / "redis.key"

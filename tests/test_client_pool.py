@@ -183,9 +183,18 @@ async def test_a_peer_that_closes_after_hello_costs_a_call_its_retries_only() ->
 
 
 async def test_close_during_the_first_arena_attach_leaves_the_next_connect_free_to_attach(
-        make_server: MakeServer, unix_path: str) -> None:
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """close() that cut off the first attach (mapping a large arena takes a while) used to leave the
     server's instance marked as tried, so after connect() the client never mapped it again."""
+    import kvstore.client.shm as shm
+
+    real_attach = shm.attach
+
+    def slow_attach(*args: Any, **kwargs: Any) -> Any:  # (mapping 1 GiB took 75-180 ms here; a host
+        time.sleep(0.5)                                  # with huge pages may take ~1 ms)
+        return real_attach(*args, **kwargs)
+
+    monkeypatch.setattr(shm, "attach", slow_attach)
     make_server("--capacity", "1GiB", "--unix", unix_path)
     kv = AsyncKVClient(f"unix:{unix_path}", connect_timeout=30)
     node = kv.nodes[0]

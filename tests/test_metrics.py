@@ -19,7 +19,7 @@ from kvstore.errors import TooLarge
 from kvstore.protocol import Get, Hello, Lookup, Put, encode
 from kvstore.server.cli import config_from_args
 from kvstore.server.metrics import TIER_METRICS
-from redis_fixtures import redis_server  # noqa: F401  (fixture)
+from redis_fixtures import redis_server, reserved_bytes, wait_until  # noqa: F401  (redis_server: a fixture)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -230,7 +230,7 @@ def test_healthz_says_draining_after_sigterm(make_server, metrics_url) -> None:
     head = b"".join(bytes(b) for b in encode(Put(keys=[key(1, "d")], sizes=[1000]), 1, payload_len=1000))
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(head + b"x" * 10)  # a PUT in flight keeps the server draining
-        time.sleep(0.2)
+        wait_until(lambda: reserved_bytes(srv.addr) > 0, 10, "the server to take the PUT's head")
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGTERM)
         srv.wait_log("stopping: draining")

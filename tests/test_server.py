@@ -21,6 +21,7 @@ from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import BlockSizeError, CapacityError, InvalidRequest, ProtocolError, TransportError
 from kvstore.protocol import HEADER, MAGIC, VERSION, Put, encode
 from kvstore.server.process import ServerProcess
+from redis_fixtures import reserved_bytes, wait_until
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
 
@@ -271,9 +272,11 @@ async def test_a_lying_put_reserves_at_most_one_block_and_keeps_nothing(make_ser
             st = (await kv.stats())["store"]
             assert st["reserved_bytes"] <= 2 << 20
             assert st["blocks"] == 0
-    await asyncio.sleep(0.2)  # the lying client is gone: its reservation is released
     async with AsyncKVClient(srv.addr) as kv:
-        st = (await kv.stats())["store"]
+        for _ in range(100):  # the lying client is gone: its reservation is released (once the server sees it)
+            if (st := (await kv.stats())["store"])["reserved_bytes"] == 0:
+                break
+            await asyncio.sleep(0.05)
         assert st["reserved_bytes"] == 0 and st["blocks"] == 0
 
 
@@ -282,8 +285,11 @@ async def test_client_killed_mid_put_leaves_no_block(server) -> None:
     head = b"".join(bytes(b) for b in encode(Put(keys=[k], sizes=[1 << 20]), 1, payload_len=1 << 20))
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(head + b"y" * (512 << 10))
-    await asyncio.sleep(0.2)
     async with AsyncKVClient(server.addr) as kv:
+        for _ in range(100):  # until the server has seen the client go (bounded)
+            if (await kv.stats())["store"]["reserved_bytes"] == 0:
+                break
+            await asyncio.sleep(0.05)
         assert await kv.exists([k]) == [False]
         assert (await kv.stats())["store"]["reserved_bytes"] == 0
 
@@ -298,7 +304,7 @@ def test_sigterm_drains_an_in_flight_put_and_exits_zero(make_server) -> None:
     put = b"".join(bytes(b) for b in encode(Put(keys=[k], sizes=[len(data)]), 77, [data]))
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         s.sendall(put[: len(put) // 2])
-        time.sleep(0.2)
+        wait_until(lambda: reserved_bytes(srv.addr) > 0, 10, "the server to take the PUT's head")  # (in flight)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         s.sendall(put[len(put) // 2:])  # the server still takes the rest of the request
@@ -437,7 +443,7 @@ async def test_leases_of_readers_gone_end_on_time_while_others_read_the_block(ma
     """Clients that pinned blocks and went away: their leases end after --lease-seconds even
     while others keep reading those blocks (each read used to renew every lease on the block,
     so theirs never ended, and pinned lookups between reads piled leases up without end)."""
-    srv = make_server("--capacity", "8MiB", "--lease-seconds", "0.5")
+    srv = make_server("--capacity", "8MiB", "--lease-seconds", "2")
     keys = [key(i, "lease") for i in range(2)]
     async with AsyncKVClient(srv.addr, namespace="l") as kv:
         await kv.put(keys, [block(i, 4096) for i in range(2)])
@@ -446,9 +452,9 @@ async def test_leases_of_readers_gone_end_on_time_while_others_read_the_block(ma
                 assert await gone.lookup(keys, pin=True) == 2
         assert (await kv.stats())["store"]["leases"] == 10
         bufs = [bytearray(4096) for _ in keys]
-        until = time.monotonic() + 1.5
-        while time.monotonic() < until:
-            assert await kv.get_into(keys, bufs) == [True, True]
+        until = time.monotonic() + 10  # (the leases end after 2 s, and the sweep runs every second)
+        while (await kv.stats())["store"]["leases"] and time.monotonic() < until:
+            assert await kv.get_into(keys, bufs) == [True, True]  # others keep reading the blocks
         assert (await kv.stats())["store"]["leases"] == 0
 
 
@@ -459,7 +465,7 @@ async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server, c
     from kvstore.client.connection import open_connection
     from kvstore.protocol import DEFAULT_LIMITS, Lookup
 
-    srv = make_server("--capacity", "8MiB", "--lease-seconds", "0.2", "--max-lease-seconds", "0.5")
+    srv = make_server("--capacity", "8MiB", "--lease-seconds", "0.2", "--max-lease-seconds", "2")
     keys = [key(i, "maxlease") for i in range(2)]
     async with AsyncKVClient(srv.addr, namespace="m") as kv:
         await kv.put(keys, [block(i, 4096) for i in range(2)])
@@ -467,20 +473,20 @@ async def test_a_lease_longer_than_max_lease_seconds_is_cut_to_it(make_server, c
                                      limits=DEFAULT_LIMITS, timeout=5)
         try:
             reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=2**31), timeout=5)
-            assert reply.fields == {"n": 2, "lease_ms": 500}
-            reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=100), timeout=5)
-            assert reply.fields == {"n": 2, "lease_ms": 100}
+            assert reply.fields == {"n": 2, "lease_ms": 2000}
+            reply = await conn.request(Lookup(keys=keys, pin=True, lease_ms=1000), timeout=5)
+            assert reply.fields == {"n": 2, "lease_ms": 1000}
             reply = await conn.request(Lookup(keys=keys, pin=False, lease_ms=2**31), timeout=5)
             assert reply.fields == {"n": 2}  # nothing leased, nothing granted
         finally:
             await conn.aclose()
-        assert (await kv.stats())["store"]["leases"] == 4
+        assert (await kv.stats())["store"]["leases"] == 4  # (within the shorter lease's second)
         with caplog.at_level("WARNING", logger="kvstore.client.aio"):
             for _ in range(2):
                 assert await kv.lookup(keys, pin=True, lease_ms=60_000) == 2
             assert await kv.lookup(keys, pin=True, lease_ms=400) == 2
         told = [r.getMessage() for r in caplog.records if "lease" in r.getMessage()]
-        assert told == [f"{srv.addr} leases pinned blocks for at most 500 ms (its --max-lease-seconds); "
+        assert told == [f"{srv.addr} leases pinned blocks for at most 2000 ms (its --max-lease-seconds); "
                         "asked for 60000 ms"]
         until = time.monotonic() + 10
         while (await kv.stats())["store"]["leases"] and time.monotonic() < until:

@@ -205,14 +205,17 @@ async def test_eviction_churn_never_tears_a_pinned_shm_read(make_server: MakeSer
 
 
 async def test_read_pins_time_out_and_the_copy_is_refused(make_server: MakeServer, unix_path: str) -> None:
-    make_server("--capacity", "8MiB", "--unix", unix_path, "--lease-seconds", "0.3")
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--lease-seconds", "1")
     k = key(1, "lease")
     async with AsyncKVClient(unix(unix_path), namespace="l") as kv:
         await kv.put([k], [data(k, 5000)])
         conn, fields = await shm_locate(kv, [k])
         assert (await kv.stats())["store"]["pinned_blocks"] == 1
-        await asyncio.sleep(1.6)  # past the lease, and past one housekeeping sweep
-        assert (await kv.stats())["store"]["pinned_blocks"] == 0
+
+        async def unpinned() -> bool:  # past the lease, and past a housekeeping sweep (every second)
+            return (await kv.stats())["store"]["pinned_blocks"] == 0
+
+        await eventually(unpinned, 10, "the read pin to expire")
         assert await shm_release(conn, fields["handle"]) is False  # the client learns its copy is not safe
         assert (await kv.stats())["shm"]["expired"] == 1
         assert [bytes(b) for b in await kv.get([k])] == [data(k, 5000)]  # a normal read is unaffected
@@ -592,7 +595,11 @@ async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_lat
             await kv.put(k, [b"x" * 4096])
             for s in others:
                 s.close()
-            await asyncio.sleep(0.2)
+
+            async def room() -> bool:  # the server has seen them go (its stats: on kv's one connection)
+                return (await kv.stats())["connections"] == 1
+
+            await eventually(room, 10, "the two slots to be free")
             bufs = [[bytearray(4096)] for _ in range(8)]
             await asyncio.gather(*(kv.get_into(k, b) for b in bufs))  # the pool opens its second connection
             assert kv.nodes[0].shm is not None  # whose attach found room
