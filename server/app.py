@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -114,6 +115,39 @@ def _check_bindable(host: str, port: int | None, flag: str) -> None:
         raise _listen_error(host, port, flag, exc) from None
 
 
+#: Descriptors the server needs besides its clients' connections: listeners, the metrics server,
+#: Redis connections (80 per node), shm attaches in progress, files.
+FD_RESERVE = 256
+
+
+def _fit_open_file_limit(max_connections: int) -> int:
+    """Raise the soft open-file limit to what ``--max-connections`` needs (the hard limit caps it);
+    the connections it leaves room for.
+
+    Past the limit ``accept`` fails (EMFILE) and the client's connection is dropped without a
+    word, and so does every new connection to Redis (read-throughs then answer "missing"),
+    while a connection refused at ``--max-connections`` gets an error reply. Many systems start
+    services with a soft limit of 1024, under the default ``--max-connections`` 1024.
+    """
+    need = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    except (ValueError, OSError):
+        pass
+    if soft >= need:
+        log.info("open-file limit raised to %d (--max-connections %d)", soft, max_connections)
+        return max_connections
+    fit = max(1, soft - min(FD_RESERVE, soft // 2))
+    log.warning("the open-file limit is %d (ulimit -n; hard limit %d): --max-connections %d lowered to %d "
+                "(raise the limit, e.g. LimitNOFILE= in systemd, to serve more)", soft, hard, max_connections, fit)
+    return fit
+
+
 #: Signals that stop the server gracefully (drain, flush the write-behind queue, exit 0).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -128,6 +162,7 @@ class Server:
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
         _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
         _check_bindable(config.host, config.metrics_port, "--metrics-port")
+        self.max_connections = _fit_open_file_limit(config.max_connections)
         try:
             self.store = _make_store(config)
         except (OSError, MemoryError) as exc:
@@ -155,9 +190,9 @@ class Server:
         # A TLS connection joins self.connections once its handshake is done; until then it counts
         # here (it leaves this weak set with the protocol object when the handshake fails).
         handshaking = sum(1 for c in self._handshaking if c.transport is None)
-        if len(self.connections) + handshaking >= self.config.max_connections:
+        if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
-            return RejectedConnection(self.config.max_connections)
+            return RejectedConnection(self.max_connections)
         conn = Connection(self.service, self.limits, self.connections, self.poll)
         if self.tls is not None:
             self._handshaking.add(conn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -19,9 +20,11 @@ _LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
 class ServerProcess:
     """A ``kvstore-server`` child bound to 127.0.0.1, stopped by :meth:`stop` or on exit of a ``with``."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 30.0) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 30.0,
+                 open_files: tuple[int, int] | None = None) -> None:
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.env = {**os.environ, **(env or {})}
+        self.open_files = open_files  # (soft, hard) RLIMIT_NOFILE for the child, as ``ulimit -n`` sets it
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
@@ -35,7 +38,14 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "kvstore.server.cli", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env)
+        limits = self.open_files
+
+        def limit() -> None:  # (in the child, before exec)
+            if limits is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env,
+                                     preexec_fn=limit if limits is not None else None)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
         if not self._listening.wait(self.start_timeout) or not self.port:

@@ -38,8 +38,8 @@ def make_server() -> Iterator:
     """Start servers with custom flags: ``make_server("--capacity", "8MiB")``."""
     started: list[ServerProcess] = []
 
-    def make(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        srv = ServerProcess(*args, env=env).start()
+    def make(*args: str, env: dict[str, str] | None = None, open_files: tuple[int, int] | None = None) -> ServerProcess:
+        srv = ServerProcess(*args, env=env, open_files=open_files).start()
         started.append(srv)
         return srv
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import Unavailable
@@ -143,6 +144,45 @@ async def test_connections_over_the_cap_are_refused_and_the_server_keeps_serving
         stats = await late.stats()
     await asyncio.gather(*(c.close() for c in clients[1:]))
     assert stats["connections_rejected"] == 221
+
+
+def open_files(pid: int) -> int:
+    """A process's soft open-file limit, from /proc."""
+    with open(f"/proc/{pid}/limits") as f:
+        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
+
+
+async def test_the_open_file_limit_is_raised_for_max_connections_or_the_cap_lowered_to_fit(make_server) -> None:
+    """Under a soft limit of 1024 (ulimit -n; a common default) and the default --max-connections
+    1024, a 1,500-connection burst got 492 connections dropped without a word (accept failed with
+    EMFILE before the cap refused anything), and the Redis tier, unable to connect, went down. The
+    server raises its soft limit to what the cap needs; where the hard limit forbids it, it lowers
+    the cap, so that the connections over it get the cap's error reply."""
+    raised = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(300, 4096))
+    assert open_files(raised.proc.pid) == 400 + 256  # (FD_RESERVE)
+    low = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(300, 300))
+    assert any("--max-connections 400 lowered to 150" in line for line in low.log)
+    socks: list[socket.socket] = []
+    async with AsyncKVClient(low.addr, namespace="fd", pool_size=1) as kv:
+        try:
+            await kv.ping()
+            for _ in range(149):
+                socks.append(socket.create_connection(("127.0.0.1", low.port)))
+            with pytest.raises(Unavailable, match="limit of 150 connections"):  # an error reply, not a drop
+                async with AsyncKVClient(low.addr, retries=0):
+                    pass
+            for s in socks[:10]:
+                s.close()
+            for _ in range(100):  # until the server has seen them go (bounded)
+                if (await kv.stats())["connections"] <= 140:
+                    break
+                await asyncio.sleep(0.05)
+            async with AsyncKVClient(low.addr, namespace="fd") as late:  # room again
+                assert await late.ping() >= 0
+            assert (await kv.stats())["connections_rejected"] == 1
+        finally:
+            for s in socks:
+                s.close()
 
 
 async def test_max_pending_out_stops_reading_a_client_that_does_not_read(make_server) -> None:
