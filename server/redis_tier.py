@@ -30,13 +30,14 @@ with back-off until Redis answers again; the write-behind queue then drains.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import logging
 import re
 import struct
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 from urllib.parse import quote
@@ -78,6 +79,14 @@ MODES = ("write-through", "write-behind")
 #: for what runs beside the pipelines (the health probe, a flush's SCAN).
 MAX_PIPELINES = 64
 _SPARE_CONNECTIONS = 16
+#: Block bytes in flight to and from Redis at once, and in one pipeline (a request's blocks go in
+#: pipelines of this size at most). Each reply must come within --redis-timeout: 64 pipelines of
+#: 32 MiB of 4 MiB blocks (a burst of read-throughs after a restart) left a reply waiting over 2 s,
+#: the tier went down and every block answered "missing"; a put of 1 GiB could not be written in
+#: one pipeline within it. 64 MiB moves in ~0.6 s over a 1 Gbit/s link.
+MAX_INFLIGHT_BYTES = 64 << 20
+_PIPELINE_BYTES = 16 << 20
+_VALUE_GUESS = 1 << 20  # a read's size before any value was seen: typical KV blocks are 0.1-4 MiB
 # (RuntimeError: under uvloop, redis-py writing to a connection Redis reset right after accepting it
 # raises "unable to perform operation on <TCPTransport closed=True>": an outage like the others.)
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RuntimeError)
@@ -280,6 +289,60 @@ def _trim_heap() -> None:
     trim(0)
 
 
+def _pieces(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of ``sizes`` adding up to ``limit`` at most (one item at least)."""
+    runs, lo, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > lo and total + n > limit:
+            runs.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes):
+        runs.append((lo, len(sizes)))
+    return runs
+
+
+class _ByteBudget:
+    """Bytes in flight, bounded: :meth:`acquire` waits, first come first served, until ``n`` more
+    fit (an amount over the limit goes when nothing else is in flight)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiting and self._fits(n):
+            self.used += n
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((n, waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(n)  # granted as it was cancelled
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove((n, waiter))
+                self._grant()  # (it may have held back smaller ones behind it)
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            n, waiter = self._waiting.popleft()
+            if not waiter.done():
+                self.used += n
+                waiter.set_result(None)
+
+
 @dataclass
 class _WriteQueue:
     """Acknowledged blocks not yet in Redis, bounded in bytes; readable by key."""
@@ -464,6 +527,8 @@ class RedisTier(Tier):
         self._flushing: dict[str, _FlushGate] = {}
         self._waking: asyncio.Task[None] | None = None
         self._pipelines = asyncio.Semaphore(MAX_PIPELINES)  # in flight at once, each on a connection per node
+        self._inflight = _ByteBudget(MAX_INFLIGHT_BYTES)  # block bytes in those pipelines
+        self._value_bytes = _VALUE_GUESS  # the largest value seen: what a read asks for, per key
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "misplaced_values": 0, "failures": 0, "outages": 0}
 
@@ -615,8 +680,8 @@ class RedisTier(Tier):
         return Unavailable(f"redis tier {self.target} is unavailable ({self._last_error}): this request failed "
                            "and is not retried (send it again later); the server reconnects to redis on its own")
 
-    async def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run commands as one pipeline (one round trip per node).
+    async def _execute(self, commands: Sequence[tuple[Any, ...]], nbytes: int = 0) -> list[Any]:
+        """Run commands as one pipeline (one round trip per node) carrying about ``nbytes`` of blocks.
 
         A failure of Redis itself marks the tier down and raises ``Unavailable``.
         An error reply to one command (say ``WRONGTYPE`` from a key someone else
@@ -624,6 +689,15 @@ class RedisTier(Tier):
         """
         if not self._up.is_set():
             raise self._unavailable()
+        if not nbytes:  # (a question, not blocks: never queued behind them)
+            return await self._run(commands)
+        await self._inflight.acquire(nbytes)
+        try:
+            return await self._run(commands)
+        finally:
+            self._inflight.release(nbytes)
+
+    async def _run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         async with self._pipelines:  # (a burst of requests beyond redis-py's pool failed as an outage)
             if not self._up.is_set():  # (it went down while this one waited its turn)
                 raise self._unavailable()
@@ -676,8 +750,17 @@ class RedisTier(Tier):
         return cmds
 
     async def _write(self, items: Sequence[_Item]) -> None:
-        results = await self._execute(self._set_commands(items))
-        self._refused(results[:len(items)], "block write(s)")  # (the record's hints that follow are best effort)
+        """SET ``items`` in pipelines of at most ``_PIPELINE_BYTES``, run side by side (within the byte budget)."""
+        sizes = [len(it.value) for it in items]
+        self._value_bytes = max(self._value_bytes, *sizes)
+        parts = [items[lo:hi] for lo, hi in _pieces(sizes, _PIPELINE_BYTES)]
+        outcomes = await asyncio.gather(
+            *(self._execute(self._set_commands(part), sum(len(it.value) for it in part)) for part in parts),
+            return_exceptions=True)
+        for part, results in zip(parts, outcomes):
+            if isinstance(results, BaseException):
+                raise results
+            self._refused(results[:len(part)], "block write(s)")  # (the record's hints that follow are best effort)
         self._known_ns.update(it.ns for it in items)
         self.counters["stored_blocks"] += len(items)
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
@@ -761,12 +844,18 @@ class RedisTier(Tier):
             else:
                 ask.append(i)
         if ask and self._up.is_set():
-            try:
-                values = await self._execute([("GET", block_key(ns, keys[i])) for i in ask])
-            except Unavailable:
-                values = [None] * len(ask)
-            for i, value in zip(ask, values):
-                out[i] = self._decoded(ns, keys[i], value)
+            each = self._value_bytes
+            parts = [ask[lo:hi] for lo, hi in _pieces([each] * len(ask), _PIPELINE_BYTES)]
+            outcomes = await asyncio.gather(
+                *(self._execute([("GET", block_key(ns, keys[i])) for i in part], each * len(part)) for part in parts),
+                return_exceptions=True)
+            for part, values in zip(parts, outcomes):
+                if isinstance(values, Unavailable):
+                    continue  # degraded: those are found in memory or not at all
+                if isinstance(values, BaseException):
+                    raise values
+                for i, value in zip(part, values):
+                    out[i] = self._decoded(ns, keys[i], value)
         return out
 
     def _decoded(self, ns: str, key: bytes, value: bytes | Exception | None) -> tuple[memoryview, int] | None:
@@ -778,6 +867,7 @@ class RedisTier(Tier):
             self._key_warnings.warning("unreadable", "redis key %s could not be read (%s); treated as a miss",
                                        block_key(ns, key), _describe(value))
             return None
+        self._value_bytes = max(self._value_bytes, len(value))
         decoded = decode_value(value)
         if decoded is None:
             self.counters["fetch_misses"] += 1

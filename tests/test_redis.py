@@ -272,6 +272,31 @@ async def test_a_burst_of_reads_through_the_tier_is_served_whole_and_is_no_outag
     assert clients <= MAX_PIPELINES + 17  # (the pool's spare connections, and redis-cli)
 
 
+async def test_a_put_larger_than_a_timeouts_worth_of_link_goes_in_pipelines_that_each_fit(redis_server: RedisProcess,
+                                                                                          make_server) -> None:
+    """A write-through put was one pipeline, which must be written within --redis-timeout: 64 MiB
+    over a link of 32 MB/s (2 s against 1.5; by default 2 s holds ~1 GiB on loopback, ~200 MiB on
+    1 Gbit/s) failed every time, and the tier went down with it. Blocks now go in pipelines of 16
+    MiB at most (side by side, on connections of their own); a read-through the same way."""
+    link = SlowLink(redis_server.port, 32e6)
+    try:
+        url = f"redis://127.0.0.1:{link.port}/0"
+        srv = make_server("--capacity", "128MiB", "--redis", url, "--redis-timeout", "1.5")
+        keys = chain(64, "large")
+        data = blocks(keys, 1 << 20)
+        async with AsyncKVClient(srv.addr, namespace=NS, timeout=60) as kv:
+            assert (await kv.put(keys, data)).stored == 64  # (Unavailable: Timeout writing to socket)
+        assert all(in_redis(redis_server, NS, keys))
+        srv.stop()
+        reader = make_server("--capacity", "128MiB", "--redis", url, "--redis-timeout", "1.5")
+        async with AsyncKVClient(reader.addr, namespace=NS, timeout=60) as kv:
+            assert payloads(await kv.get(keys)) == data  # memory empty: all read through
+            tier = (await kv.stats())["tier"]
+        assert tier["outages"] == 0, tier["last_error"]
+    finally:
+        link.stop()
+
+
 # ---------------------------------------------------------------- write-behind
 
 
@@ -594,3 +619,59 @@ def test_a_tier_write_that_fails_with_a_bug_keeps_nothing_unacknowledged(redis_s
             assert kv.put(keys, data).stored == 3  # the retry stores them (it used to answer "existed")
         for k, d in zip(keys, data):
             assert redis_server.cli_bytes("GET", block_key("bug", k))[16:-1] == d  # (header; newline)
+
+
+
+
+
+
+
+
+
+
+
+
+# ---------------------------------------------------------------- the tier's byte budget
+
+
+async def test_the_byte_budget_holds_its_limit_first_come_first_served() -> None:
+    """What bounds the block bytes in flight to Redis: amounts that fit go at once, the rest wait
+    in order (a small one never overtakes a large one, which would starve it), an amount over the
+    limit goes alone, and a waiter cancelled, granted or not, leaves nothing held."""
+    from kvstore.server.redis_tier import _ByteBudget
+
+    budget = _ByteBudget(100)
+    await budget.acquire(60)
+    order: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        await budget.acquire(n)
+        order.append(name)
+
+    big, small = asyncio.ensure_future(take("big", 50)), asyncio.ensure_future(take("small", 10))
+    await asyncio.sleep(0)
+    assert order == [] and budget.used == 60  # small would fit, but big came first
+    budget.release(60)
+    await asyncio.sleep(0)
+    assert order == ["big", "small"] and budget.used == 60
+    huge = asyncio.ensure_future(take("huge", 500))
+    await asyncio.sleep(0)
+    assert "huge" not in order
+    budget.release(50)
+    budget.release(10)  # nothing else in flight: over the limit, it goes alone
+    await asyncio.sleep(0)
+    assert order[-1] == "huge" and budget.used == 500
+    waiting = asyncio.ensure_future(take("cancelled", 1))
+    behind = asyncio.ensure_future(take("behind", 1))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    budget.release(500)
+    await asyncio.sleep(0)
+    assert waiting.cancelled() and order[-1] == "behind" and budget.used == 1
+    granted = asyncio.ensure_future(take("granted", 200))
+    await asyncio.sleep(0)
+    budget.release(1)  # granted now, cancelled before it runs: given back
+    granted.cancel()
+    await asyncio.sleep(0)
+    assert granted.cancelled() and budget.used == 0
+    await asyncio.gather(big, small, huge, behind)
