@@ -115,12 +115,12 @@ def _check_bindable(host: str, port: int | None, flag: str) -> None:
         raise _listen_error(host, port, flag, exc) from None
 
 
-#: Descriptors the server needs besides its clients' connections: listeners, the metrics server,
-#: Redis connections (80 per node), shm attaches in progress, files.
-FD_RESERVE = 256
+#: Descriptors the server needs besides its clients' connections and Redis's: listeners, the
+#: metrics server and its scrapes, shm attaches in progress, files.
+FD_RESERVE = 64
 
 
-def _fit_open_file_limit(max_connections: int) -> int:
+def _fit_open_file_limit(max_connections: int, reserve: int) -> int:
     """Raise the soft open-file limit to what ``--max-connections`` needs (the hard limit caps it);
     the connections it leaves room for.
 
@@ -129,7 +129,7 @@ def _fit_open_file_limit(max_connections: int) -> int:
     while a connection refused at ``--max-connections`` gets an error reply. Many systems start
     services with a soft limit of 1024, under the default ``--max-connections`` 1024.
     """
-    need = max_connections + FD_RESERVE
+    need = max_connections + reserve
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections
@@ -142,7 +142,7 @@ def _fit_open_file_limit(max_connections: int) -> int:
     if soft >= need:
         log.info("open-file limit raised to %d (--max-connections %d)", soft, max_connections)
         return max_connections
-    fit = max(1, soft - min(FD_RESERVE, soft // 2))
+    fit = max(1, soft - min(reserve, soft // 2))
     log.warning("the open-file limit is %d (ulimit -n; hard limit %d): --max-connections %d lowered to %d "
                 "(raise the limit, e.g. LimitNOFILE= in systemd, to serve more)", soft, hard, max_connections, fit)
     return fit
@@ -162,7 +162,7 @@ class Server:
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
         _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
         _check_bindable(config.host, config.metrics_port, "--metrics-port")
-        self.max_connections = _fit_open_file_limit(config.max_connections)
+        self.max_connections = config.max_connections  # (fitted to the open-file limit at the start)
         try:
             self.store = _make_store(config)
         except (OSError, MemoryError) as exc:
@@ -208,6 +208,8 @@ class Server:
                 await self.tier.close()
                 flag = "--redis-cluster" if self.config.redis_cluster else "--redis"
                 raise StartupError(f"{flag} {self.tier.target}: {exc}") from None
+        reserve = FD_RESERVE + (self.tier.max_connections() if self.tier is not None else 0)
+        self.max_connections = _fit_open_file_limit(self.config.max_connections, reserve)
         try:
             await self._start_tcp()
             await self._start_unix()

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import xxhash
+from typing import Any
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import IntegrityError, TooLarge, Unavailable
@@ -270,6 +271,16 @@ async def test_a_burst_of_reads_through_the_tier_is_served_whole_and_is_no_outag
         assert tier["state"] == "ok" and tier["outages"] == 0, tier["last_error"]
     clients = int(redis_server.cli("INFO", "clients").split("connected_clients:")[1].split()[0])
     assert clients <= MAX_PIPELINES + 17  # (the pool's spare connections, and redis-cli)
+
+
+async def test_the_open_file_limit_makes_room_for_the_tiers_connections(redis_server: RedisProcess, make_server) -> None:
+    """The server raises its soft open-file limit for --max-connections plus what it needs besides:
+    with a Redis tier, its connection pool too (80 per node), or accept and Redis's connects fail."""
+    srv = make_server("--capacity", "8MiB", "--redis", redis_server.url, "--max-connections", "400",
+                      open_files=(300, 4096))
+    with open(f"/proc/{srv.proc.pid}/limits") as f:
+        soft = int(next(line for line in f if line.startswith("Max open files")).split()[3])
+    assert soft == 400 + 64 + 80
 
 
 async def test_a_put_larger_than_a_timeouts_worth_of_link_goes_in_pipelines_that_each_fit(redis_server: RedisProcess,
@@ -675,3 +686,43 @@ async def test_the_byte_budget_holds_its_limit_first_come_first_served() -> None
     await asyncio.sleep(0)
     assert granted.cancelled() and budget.used == 0
     await asyncio.gather(big, small, huge, behind)
+
+
+async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespaces_large_ones(
+        redis_server: RedisProcess) -> None:
+    """A read counts each key as its namespace's largest value: one namespace of 8 MiB blocks beside
+    one of 64 KiB blocks (two models on one server) made the small one's reads go two keys a
+    pipeline (the largest value seen anywhere). A namespace not seen since the start reads one key
+    first to learn its size (a guess of 1 MiB let a burst of 4 MiB reads after a restart put 4x the
+    budget in flight)."""
+    from redis.asyncio import Redis
+
+    from kvstore.server.redis_tier import RedisTier
+    from kvstore.server.tier import TierBlock
+
+    tier = RedisTier(Redis(host="127.0.0.1", port=redis_server.port), target="test")
+    await tier.start()
+    try:
+        large, small = chain(2, "large"), chain(64, "small")
+        await tier.store("big-model", [TierBlock(k, [b"L" * (8 << 20)], 0, 8 << 20) for k in large])
+        await tier.store("small-model", [TierBlock(k, [b"s" * 65536], 0, 65536) for k in small])
+        tier2 = RedisTier(Redis(host="127.0.0.1", port=redis_server.port), target="test")  # after a restart
+        await tier2.start()
+        try:
+            pipelines = 0
+            run = tier2._run
+
+            async def counted(commands: Any) -> Any:
+                nonlocal pipelines
+                pipelines += 1
+                return await run(commands)
+
+            tier2._run = counted  # type: ignore[method-assign]
+            assert [bytes(v[0]) for v in await tier2.fetch("big-model", large)] == [b"L" * (8 << 20)] * 2
+            pipelines = 0
+            got = await tier2.fetch("small-model", small)
+            assert [bytes(v[0]) for v in got] == [b"s" * 65536] * 64 and pipelines == 2  # (its first key alone)
+        finally:
+            await tier2.close()
+    finally:
+        await tier.close()
