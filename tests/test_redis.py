@@ -726,3 +726,44 @@ async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespace
             await tier2.close()
     finally:
         await tier.close()
+
+
+async def test_the_first_reads_of_a_namespace_after_a_start_stay_within_the_byte_budget(
+        redis_server: RedisProcess) -> None:
+    """A read counts its keys at the size of its namespace's blocks, unknown after a restart: counted
+    at a guess of 1 MiB, 32 first reads of 4 x 4 MiB at once put 512 MiB in flight (the budget is
+    64). One read learns the size first, the others wait for it."""
+    from redis.asyncio import Redis
+
+    from kvstore.server.redis_tier import MAX_INFLIGHT_BYTES, RedisTier
+    from kvstore.server.tier import TierBlock
+
+    keys, size = chain(4, "first"), 4 << 20
+    writer = RedisTier(Redis(host="127.0.0.1", port=redis_server.port), target="test")
+    await writer.start()
+    try:
+        await writer.store("ns", [TierBlock(k, [bytes([i]) * size], 0, size) for i, k in enumerate(keys)])
+    finally:
+        await writer.close()
+    tier = RedisTier(Redis(host="127.0.0.1", port=redis_server.port), target="test")  # after a restart
+    await tier.start()
+    try:
+        inflight = peak = 0
+        run = tier._run
+
+        async def counted(commands: Any) -> Any:  # the value bytes its pipelines carry at once
+            nonlocal inflight, peak
+            n = size * sum(c[0] == "GET" for c in commands)
+            inflight += n
+            peak = max(peak, inflight)
+            try:
+                return await run(commands)
+            finally:
+                inflight -= n
+
+        tier._run = counted  # type: ignore[method-assign]
+        reads = await asyncio.gather(*(tier.fetch("ns", keys) for _ in range(32)))
+        assert all([bytes(v[0]) for v in got] == [bytes([i]) * size for i in range(4)] for got in reads)
+        assert peak <= MAX_INFLIGHT_BYTES, peak >> 20
+    finally:
+        await tier.close()
