@@ -531,7 +531,6 @@ class RedisTier(Tier):
         #: Per namespace, the largest value seen: what a read counts per key (one model's blocks are
         #: alike; another's, say 64 KiB beside 16 MiB, must not make its reads go one key at a time).
         self._value_bytes: dict[str, int] = {}
-        self._learning: dict[str, asyncio.Event] = {}  # namespaces whose first read after the start runs
         self.counters = {"stored_blocks": 0, "stored_bytes": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "checksum_mismatches": 0, "misplaced_values": 0, "failures": 0, "outages": 0}
 
@@ -842,7 +841,7 @@ class RedisTier(Tier):
     async def fetch(
         self, ns: str, keys: Sequence[bytes]
     ) -> list[tuple[bytes | memoryview, int] | None]:
-        """``(block, checksum)`` per key from the queue or one pipelined round of GETs.
+        """``(block, checksum)`` per key from the queue or pipelined GETs (see :meth:`_read_into`).
 
         The block is a ``memoryview`` into the reply (no second copy). While
         Redis is down only queued blocks are found, which the service treats
@@ -856,32 +855,27 @@ class RedisTier(Tier):
                 out[i] = (memoryview(item.value)[HEADER_SIZE:], item.checksum)
             else:
                 ask.append(i)
-        if ask and self._up.is_set() and ns not in self._value_bytes:
-            ask = await self._learn_size(out, ns, keys, ask)
+        each = self._value_bytes.get(ns)
+        if ask and self._up.is_set() and each is None:
+            # Nothing of ns read since the start: the values' lengths first (no block bytes), so that
+            # the reads are cut to the byte budget (a guess of 1 MiB a key put 4x it in flight, 64
+            # first reads of 4 MiB blocks at once); an absent key needs no GET.
+            try:
+                lengths = await self._execute([("STRLEN", block_key(ns, keys[i])) for i in ask])
+            except Unavailable:
+                return out
+            for i, n in zip(ask, lengths):
+                if n == 0:
+                    out[i] = self._decoded(ns, keys[i], None)
+            ask = [i for i, n in zip(ask, lengths) if n != 0]  # (an error reply, WRONGTYPE: the GET tells)
+            each = max([n for n in lengths if isinstance(n, int)], default=0) or _VALUE_GUESS
         if ask and self._up.is_set():
-            await self._read_into(out, ns, keys, ask)
+            await self._read_into(out, ns, keys, ask, each or _VALUE_GUESS)
         return out
 
-    async def _learn_size(self, out: list[Any], ns: str, keys: Sequence[bytes], ask: list[int]) -> list[int]:
-        """Nothing of ``ns`` read or written since the start: one key tells the size of its blocks,
-        which the rest of this read and the reads of ``ns`` meanwhile wait for (a guess put 4x the
-        byte budget in flight: 64 first reads of 4 MiB blocks at once). The keys left to read."""
-        learning = self._learning.get(ns)
-        if learning is not None:
-            await learning.wait()
-            return ask
-        self._learning[ns] = learning = asyncio.Event()
-        try:
-            await self._read_into(out, ns, keys, ask[:1])
-        finally:
-            del self._learning[ns]
-            learning.set()
-        return ask[1:]
-
-    async def _read_into(self, out: list[Any], ns: str, keys: Sequence[bytes], ask: list[int]) -> None:
+    async def _read_into(self, out: list[Any], ns: str, keys: Sequence[bytes], ask: list[int], each: int) -> None:
         """GET ``keys[i]`` for ``i`` in ``ask`` into ``out[i]``, in pipelines of ``_PIPELINE_BYTES`` at
-        most, each key counted as the largest value of ``ns`` seen."""
-        each = self._value_bytes.get(ns, _VALUE_GUESS)
+        most, each key counted as ``each`` bytes."""
         parts = [ask[lo:hi] for lo, hi in _pieces([each] * len(ask), _PIPELINE_BYTES)]
         outcomes = await self._in_parts([([("GET", block_key(ns, keys[i])) for i in part], each * len(part))
                                          for part in parts])
@@ -914,7 +908,6 @@ class RedisTier(Tier):
             self._key_warnings.warning("unreadable", "redis key %s could not be read (%s); treated as a miss",
                                        block_key(ns, key), _describe(value))
             return None
-        self._seen(ns, len(value))
         decoded = decode_value(value)
         if decoded is None:
             self.counters["fetch_misses"] += 1
@@ -930,6 +923,7 @@ class RedisTier(Tier):
                                        "renamed in redis); treated as a miss", block_key(ns, key))
             return None
         self.counters["fetched_blocks"] += 1
+        self._seen(ns, len(value))  # (a kvstore block of ns: a foreign value must not size its reads)
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             # Returned anyway: the client checks the same checksum and reports the corruption.
             self.counters["checksum_mismatches"] += 1
@@ -1010,6 +1004,7 @@ class RedisTier(Tier):
             n += _not_counted(batch, await self._delete_names(batch), dropped)
             await self._execute([("DEL", ns_record_key(ns))])
             self._known_ns.discard(ns)
+            self._value_bytes.pop(ns, None)
             return n
         finally:
             gate.running -= 1

@@ -692,8 +692,8 @@ async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespace
         redis_server: RedisProcess) -> None:
     """A read counts each key as its namespace's largest value: one namespace of 8 MiB blocks beside
     one of 64 KiB blocks (two models on one server) made the small one's reads go two keys a
-    pipeline (the largest value seen anywhere). A namespace not seen since the start reads one key
-    first to learn its size (a guess of 1 MiB let a burst of 4 MiB reads after a restart put 4x the
+    pipeline (the largest value seen anywhere). A namespace not read since the start asks the
+    values' lengths first (a guess of 1 MiB let a burst of 4 MiB reads after a restart put 4x the
     budget in flight)."""
     from redis.asyncio import Redis
 
@@ -721,7 +721,14 @@ async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespace
             assert [bytes(v[0]) for v in await tier2.fetch("big-model", large)] == [b"L" * (8 << 20)] * 2
             pipelines = 0
             got = await tier2.fetch("small-model", small)
-            assert [bytes(v[0]) for v in got] == [b"s" * 65536] * 64 and pipelines == 2  # (its first key alone)
+            assert [bytes(v[0]) for v in got] == [b"s" * 65536] * 64 and pipelines == 2  # (the lengths first)
+            import redis as redis_py
+
+            foreign = chain(1, "foreign")  # not a kvstore value: a miss, and no size for its namespace
+            redis_py.Redis(port=redis_server.port).set(block_key("small-model", foreign[0]), b"F" * (8 << 20))
+            assert await tier2.fetch("small-model", foreign) == [None]
+            pipelines = 0
+            assert len(await tier2.fetch("small-model", small)) == 64 and pipelines == 1
         finally:
             await tier2.close()
     finally:
@@ -731,8 +738,9 @@ async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespace
 async def test_the_first_reads_of_a_namespace_after_a_start_stay_within_the_byte_budget(
         redis_server: RedisProcess) -> None:
     """A read counts its keys at the size of its namespace's blocks, unknown after a restart: counted
-    at a guess of 1 MiB, 32 first reads of 4 x 4 MiB at once put 512 MiB in flight (the budget is
-    64). One read learns the size first, the others wait for it."""
+    at a guess of 1 MiB, 32 first reads of 4 x 4 MiB at once put 256 MiB in flight (the budget is
+    64); one of them reading a key first for the others still let 144 MiB through, and none when
+    that key was missing. Each asks its values' lengths first now (STRLEN: no block bytes)."""
     from redis.asyncio import Redis
 
     from kvstore.server.redis_tier import MAX_INFLIGHT_BYTES, RedisTier
@@ -762,8 +770,10 @@ async def test_the_first_reads_of_a_namespace_after_a_start_stay_within_the_byte
                 inflight -= n
 
         tier._run = counted  # type: ignore[method-assign]
-        reads = await asyncio.gather(*(tier.fetch("ns", keys) for _ in range(32)))
-        assert all([bytes(v[0]) for v in got] == [bytes([i]) * size for i in range(4)] for got in reads)
+        absent = chain(1, "absent")  # (first, as a request's first key may be)
+        reads = await asyncio.gather(*(tier.fetch("ns", absent + keys) for _ in range(32)))
+        assert all(got[0] is None and [bytes(v[0]) for v in got[1:]] == [bytes([i]) * size for i in range(4)]
+                   for got in reads)
         assert peak <= MAX_INFLIGHT_BYTES, peak >> 20
     finally:
         await tier.close()
