@@ -50,8 +50,9 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.config import ServerConfig
+from kvstore.config import ServerConfig, format_size
 from kvstore.errors import Unavailable
 
 from .tier import Tier, TierBlock
@@ -701,11 +702,11 @@ class RedisTier(Tier):
             return await self._run(commands)
         await self._inflight.acquire(nbytes)
         try:
-            return await self._run(commands)
+            return await self._run(commands, nbytes)
         finally:
             self._inflight.release(nbytes)
 
-    async def _run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def _run(self, commands: Sequence[tuple[Any, ...]], nbytes: int = 0) -> list[Any]:
         async with self._pipelines:  # (a burst of requests beyond redis-py's pool failed as an outage)
             if not self._up.is_set():  # (it went down while this one waited its turn)
                 raise self._unavailable()
@@ -719,13 +720,28 @@ class RedisTier(Tier):
                 try:
                     results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
                 except _REDIS_ERRORS as exc:
-                    self._mark_down(exc)
-                    raise self._unavailable() from None
+                    outage: BaseException | None = exc
+                    break
                 outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
                 if outage is None:
                     return results
-            self._mark_down(outage)
-            raise self._unavailable()
+        assert outage is not None
+        if nbytes and isinstance(outage, (RedisTimeoutError, asyncio.TimeoutError)) and await self._answers():
+            # Too many bytes for the link within --redis-timeout: this request fails, the others go on.
+            self.counters["failures"] += 1
+            raise Unavailable(f"redis tier {self.target}: moving {format_size(nbytes)} of blocks timed out while "
+                              f"redis answers (a link too slow for --redis-timeout {self.timeout_s:g}s): this "
+                              "request failed and is not retried")
+        self._mark_down(outage)
+        raise self._unavailable()
+
+    async def _answers(self) -> bool:
+        """Whether Redis answers a probe now (within the timeout)."""
+        try:
+            await asyncio.wait_for(self._ping(), self.timeout_s)
+        except _REDIS_ERRORS:
+            return False
+        return True
 
     def _refused(self, results: Sequence[Any], what: str) -> None:
         """Raise ``Unavailable`` (the tier stays up) if Redis refused any of ``results``' commands."""

@@ -362,6 +362,26 @@ async def test_write_behind_drains_over_a_link_too_slow_for_a_full_batch(redis_s
         link.stop()
 
 
+async def test_a_put_too_large_for_the_link_within_the_timeout_fails_alone(redis_server: RedisProcess,
+                                                                           make_server) -> None:
+    """A write-through pipeline of blocks that timed out marked the tier down, though Redis answered:
+    for a moment every read-through answered "missing" and every put failed. Now a probe decides:
+    Redis answers, so only that request fails, and says why."""
+    link = SlowLink(redis_server.port, 4e6)  # 4 MB/s: a 4 MiB block takes 1 s against a 0.5 s timeout
+    try:
+        srv = make_server("--capacity", MEM, "--redis", f"redis://127.0.0.1:{link.port}/0", "--redis-timeout", "0.5")
+        big, small = chain(1, "too-big"), chain(1, "small")
+        async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=30) as kv:
+            with pytest.raises(Unavailable, match="too slow for --redis-timeout"):
+                await kv.put(big, blocks(big, 4 << 20))
+            tier = (await kv.stats())["tier"]
+            assert tier["state"] == "ok" and tier["outages"] == 0 and tier["failures"] >= 1
+            assert (await kv.put(small, blocks(small, 65536))).stored == 1  # the others go on
+        assert in_redis(redis_server, NS, small) == [True]
+    finally:
+        link.stop()
+
+
 async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -> None:
     redis = make_redis()
     srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind")
@@ -712,10 +732,10 @@ async def test_a_read_through_of_small_blocks_is_not_split_for_another_namespace
             pipelines = 0
             run = tier2._run
 
-            async def counted(commands: Any) -> Any:
+            async def counted(commands: Any, *args: Any) -> Any:
                 nonlocal pipelines
                 pipelines += 1
-                return await run(commands)
+                return await run(commands, *args)
 
             tier2._run = counted  # type: ignore[method-assign]
             assert [bytes(v[0]) for v in await tier2.fetch("big-model", large)] == [b"L" * (8 << 20)] * 2
@@ -759,13 +779,13 @@ async def test_the_first_reads_of_a_namespace_after_a_start_stay_within_the_byte
         inflight = peak = 0
         run = tier._run
 
-        async def counted(commands: Any) -> Any:  # the value bytes its pipelines carry at once
+        async def counted(commands: Any, *args: Any) -> Any:  # the value bytes its pipelines carry at once
             nonlocal inflight, peak
             n = size * sum(c[0] == "GET" for c in commands)
             inflight += n
             peak = max(peak, inflight)
             try:
-                return await run(commands)
+                return await run(commands, *args)
             finally:
                 inflight -= n
 
