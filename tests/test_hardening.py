@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import random
+import resource
 import socket
 import time
 from pathlib import Path
@@ -158,7 +159,8 @@ async def test_the_open_file_limit_is_raised_for_max_connections_or_the_cap_lowe
     EMFILE before the cap refused anything), and the Redis tier, unable to connect, went down. The
     server raises its soft limit to what the cap needs; where the hard limit forbids it, it lowers
     the cap, so that the connections over it get the cap's error reply."""
-    raised = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(300, 4096))
+    hard = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # (raising it needs privilege)
+    raised = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(300, hard))
     assert open_files(raised.proc.pid) == 400 + 64  # (FD_RESERVE; a Redis tier adds its pool's)
     low = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(214, 214))
     assert any("--max-connections 400 lowered to 150" in line for line in low.log)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -276,8 +277,9 @@ async def test_a_burst_of_reads_through_the_tier_is_served_whole_and_is_no_outag
 async def test_the_open_file_limit_makes_room_for_the_tiers_connections(redis_server: RedisProcess, make_server) -> None:
     """The server raises its soft open-file limit for --max-connections plus what it needs besides:
     with a Redis tier, its connection pool too (80 per node), or accept and Redis's connects fail."""
+    hard = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # (raising it needs privilege)
     srv = make_server("--capacity", "8MiB", "--redis", redis_server.url, "--max-connections", "400",
-                      open_files=(300, 4096))
+                      open_files=(300, hard))
     with open(f"/proc/{srv.proc.pid}/limits") as f:
         soft = int(next(line for line in f if line.startswith("Max open files")).split()[3])
     assert soft == 400 + 64 + 80
