@@ -780,15 +780,14 @@ class RedisTier(Tier):
     async def _write(self, items: Sequence[_Item]) -> None:
         """SET ``items`` in pipelines of at most ``_PIPELINE_BYTES``."""
         sizes = [len(it.value) for it in items]
-        for it in items:
-            self._seen(it.ns, len(it.value))
-        parts = [items[lo:hi] for lo, hi in _pieces(sizes, _PIPELINE_BYTES)]
-        outcomes = await self._in_parts([(self._set_commands(part), sum(len(it.value) for it in part))
-                                         for part in parts])
-        for part, results in zip(parts, outcomes):
+        for it, n in zip(items, sizes):
+            self._seen(it.ns, n)
+        runs = _pieces(sizes, _PIPELINE_BYTES)
+        outcomes = await self._in_parts([(self._set_commands(items[lo:hi]), sum(sizes[lo:hi])) for lo, hi in runs])
+        for (lo, hi), results in zip(runs, outcomes):
             if isinstance(results, BaseException):
                 raise results
-            self._refused(results[:len(part)], "block write(s)")  # (the record's hints that follow are best effort)
+            self._refused(results[:hi - lo], "block write(s)")  # (the record's hints that follow are best effort)
         self._known_ns.update(it.ns for it in items)
         self.counters["stored_blocks"] += len(items)
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
