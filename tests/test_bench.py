@@ -154,6 +154,25 @@ def test_copy_probe_reports_both_kinds_and_directions_for_each_size(capsys) -> N
     assert [line.split()[0] for line in lines[2:]] == ["4Ki", "64Ki"]
 
 
+def test_the_paged_bench_moves_a_cache_through_both_transports_and_reports_every_op(tmp_path: Path,
+                                                                                    capsys) -> None:  # type: ignore[no-untyped-def]
+    """On CPU tensors here (tests_gpu and docs/performance.md: the same on a GPU); each store and
+    load asserts every block stored or found, so a run that finishes moved them all."""
+    from kvstore.bench import paged
+
+    out = tmp_path / "paged.json"
+    assert paged.main(["--device", "cpu", "--layers", "2", "--batch", "4", "--trials", "1", "--seconds", "0.01",
+                       "--capacity", "64MiB", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ops = ["d2h", "h2d", "gather", "scatter"] + [f"{op} {tr}" for tr in ("tcp", "shm")
+                                                 for op in ("put", "store", "get_into", "load")]
+    assert list(res["gbps"]) == ops and all(v > 0 for v in res["gbps"].values())
+    assert res["payload_bytes"] == 16 + 2 * 2 * 16 * 8 * 128 * 2 and res["batch"] == 4
+    assert res["shm_requests"]["gets"] > 0  # the shm rows' reads went through the shared arena
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[2:]] == [op.split()[0] for op in ops]
+
+
 def test_copy_probe_compares_glibc_settings_in_child_processes(capsys) -> None:  # type: ignore[no-untyped-def]
     from kvstore.bench import copy
 

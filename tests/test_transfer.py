@@ -149,20 +149,27 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         PagedKVTransfer([], 2)
 
 
-def test_devices_other_than_the_cpu_go_through_device_side_payloads() -> None:
+@pytest.mark.parametrize("block_dim", sorted(LAYOUTS))
+@pytest.mark.parametrize("skip", [0, 1])
+def test_devices_other_than_the_cpu_go_through_device_side_payloads(block_dim: int, skip: int) -> None:
     """Off the CPU (CUDA, and xpu, mps, ...: any device torch copies to and from the host) blocks
-    are gathered into payloads on the device and copied once each way; only CUDA took that path
-    before, and another device failed in torch's copy with a bare RuntimeError. No accelerator
-    here: the path is run on CPU tensors, its copies included. The meta device holds no data."""
-    src, dst = make_caches(torch.bfloat16, 1), make_caches(torch.bfloat16, 1, "zeros")
-    out, into = PagedKVTransfer(src, 2), PagedKVTransfer(dst, 2)
-    expected = [p.clone() for p in out.gather([7, 2, 5, 0])]
+    are gathered into payloads on the device and copied once each way, a layer's blocks all in one
+    operation (tests_gpu runs this on CUDA); only CUDA took that path before, and another device
+    failed in torch's copy with a bare RuntimeError. Here the path runs on CPU tensors, its copies
+    included. The meta device holds no data."""
+    src, dst = make_caches(torch.bfloat16, block_dim), make_caches(torch.bfloat16, block_dim, "zeros")
+    out, into = PagedKVTransfer(src, 2, block_dim=block_dim), PagedKVTransfer(dst, 2, block_dim=block_dim)
+    expected = [p.clone() for p in out.gather([7, 2, 5, 0, 9, 8])]
     out._staged = into._staged = True
-    payloads = out.gather([7, 2, 5, 0])
+    payloads = out.gather([7, 2, 5, 0, 9, 8])
     assert all(torch.equal(p, e) for p, e in zip(payloads, expected))
-    into.scatter(payloads, [1, 9, 3, 4])
+    into.scatter(payloads, [1, 6, 3, 4, 0, 2][skip:], skip=skip)
     for s, d in zip(src, dst):
-        same(blocks_of(d, 1, [1, 9, 3, 4]), blocks_of(s, 1, [7, 2, 5, 0]))
+        same(blocks_of(d, block_dim, [1, 6, 3, 4, 0, 2][skip:]), blocks_of(s, block_dim, [7, 2, 5, 0, 9, 8][skip:]))
+        if skip:
+            assert not blocks_of(d, block_dim, [1]).any()
+    assert out.gather([]) == []
+    into.scatter([], [])
     with pytest.raises(ValueError, match="meta device"):
         PagedKVTransfer([torch.empty(2, 4, 2, 2, device="meta")], 2)
 
