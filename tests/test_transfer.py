@@ -151,14 +151,21 @@ def test_bad_ids_and_layouts_are_refused() -> None:
 
 @pytest.mark.parametrize("block_dim", sorted(LAYOUTS))
 @pytest.mark.parametrize("skip", [0, 1])
-def test_devices_other_than_the_cpu_go_through_device_side_payloads(block_dim: int, skip: int) -> None:
+@pytest.mark.parametrize("stage", ["whole", "2 payloads"])
+def test_devices_other_than_the_cpu_go_through_device_side_payloads(block_dim: int, skip: int, stage: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the CPU (CUDA, and xpu, mps, ...: any device torch copies to and from the host) blocks
-    are gathered into payloads on the device and copied once each way, a layer's blocks all in one
-    operation (tests_gpu runs this on CUDA); only CUDA took that path before, and another device
-    failed in torch's copy with a bare RuntimeError. Here the path runs on CPU tensors, its copies
-    included. The meta device holds no data."""
+    are gathered into payloads on the device and copied once each way, a layer's blocks of a stage
+    (``STAGE_BYTES`` of payloads) in one operation (tests_gpu runs this on CUDA); only CUDA took
+    that path before, and another device failed in torch's copy with a bare RuntimeError. Here the
+    path runs on CPU tensors, its copies included. The meta device holds no data."""
+    from kvstore.engine import transfer
+
     src, dst = make_caches(torch.bfloat16, block_dim), make_caches(torch.bfloat16, block_dim, "zeros")
     out, into = PagedKVTransfer(src, 2, block_dim=block_dim), PagedKVTransfer(dst, 2, block_dim=block_dim)
+    if stage != "whole":
+        monkeypatch.setattr(transfer, "STAGE_BYTES", 2 * out.payload_size + 1)
+        assert out._stages(3) == [(0, 2), (2, 3)]
     expected = [p.clone() for p in out.gather([7, 2, 5, 0, 9, 8])]
     out._staged = into._staged = True
     payloads = out.gather([7, 2, 5, 0, 9, 8])

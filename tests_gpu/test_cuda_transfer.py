@@ -84,10 +84,17 @@ def test_blocks_go_to_the_store_and_back_into_other_gpu_blocks_bit_exact(
         assert bool((d.view(torch.uint8).index_select(dim, torch.tensor(untouched, device=device)) == POISON).all())
 
 
-def test_a_load_that_skips_cached_blocks_writes_only_the_rest(client: KVClient, device: torch.device) -> None:
+@pytest.mark.parametrize("stage", ["whole", "1 payload"])
+def test_a_load_that_skips_cached_blocks_writes_only_the_rest(client: KVClient, device: torch.device, stage: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also staged one payload at a time (a job larger than ``STAGE_BYTES``)."""
+    from kvstore.engine import transfer
+
     src, dim, tag = layers(device, "2NBHD", torch.bfloat16)
     dst = poisoned_like(src)
     send, recv = PagedKVTransfer(src, 4, block_dim=dim), PagedKVTransfer(dst, 4, block_dim=dim)
+    if stage != "whole":
+        monkeypatch.setattr(transfer, "STAGE_BYTES", send.payload_size)
     ks = keys("skip", 2)
     client.put(ks, [p.numpy().data for p in send.gather(list(range(8)))])
     back = recv.new_payloads(2)

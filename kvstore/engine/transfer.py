@@ -57,6 +57,10 @@ _HEADER = struct.Struct("<4sHH8s")
 _MAGIC = b"kvsP"
 _VERSION = 1
 HEADER_SIZE = _HEADER.size  # 16: keeps every layer part 16-byte aligned
+#: Device memory a gather or scatter stages payloads in, at most, whatever the job's size (a KV
+#: cache leaves little room beside it): 128 MiB takes a layer's blocks of 64 payloads of 2 MiB in
+#: one operation (on an H200, 33 GB/s gathered against 22 for 32 payloads a request).
+STAGE_BYTES = 128 << 20
 
 
 class PayloadMismatch(BlockSizeError):
@@ -155,14 +159,8 @@ class PagedKVTransfer:
                 raise PayloadMismatch(f"buffer {i} must be a contiguous 1-d uint8 CPU tensor")
             self._check_size(i, p.numel())
         with self._on_side_stream():
-            if self._staged:  # all blocks into one device buffer, then one copy to the host each
-                ids = self._on_device(ids)
-                work = torch.empty((n, self.payload_size), dtype=torch.uint8, device=self.device)
-                for raw, off, size, shape in self._parts():
-                    picked = raw.index_select(self.block_dim, ids).unflatten(self.block_dim, (n, self.factor))
-                    work[:, off : off + size].view(n, *shape).copy_(picked.movedim(self.block_dim, 0))
-                for dst, src in zip(payloads, work):
-                    dst.copy_(src, non_blocking=self._cuda)  # (waited for as the side stream ends)
+            if self._staged:
+                self._gather_staged(ids, payloads)
             else:  # straight into the host payloads
                 for i, dst in enumerate(payloads):
                     block_ids = ids[i * self.factor : (i + 1) * self.factor]
@@ -193,15 +191,8 @@ class PagedKVTransfer:
         ids = self._ids(gpu_block_ids)
         sources = [self._checked(i, p) for i, p in enumerate(payloads)]
         with self._on_side_stream():
-            if self._staged:  # one copy to the device each, then every block of a layer at once
-                ids = self._on_device(ids)
-                work = torch.empty((n, self.payload_size), dtype=torch.uint8, device=self.device)
-                for dst, src in zip(work, sources):
-                    dst.copy_(src, non_blocking=self._cuda)
-                for raw, off, size, shape in self._parts():
-                    part = work[:, off : off + size].view(n, *shape).movedim(0, self.block_dim)
-                    part = part.flatten(self.block_dim, self.block_dim + 1).narrow(self.block_dim, skip, len(ids))
-                    raw.index_copy_(self.block_dim, ids, part)
+            if self._staged:
+                self._scatter_staged(ids, sources, skip)
             else:
                 pos = 0
                 for i, src in enumerate(sources):
@@ -211,6 +202,44 @@ class PagedKVTransfer:
                     for raw, off, size, shape in self._parts():
                         part = src[off : off + size].view(shape).narrow(self.block_dim, first, self.factor - first)
                         raw.index_copy_(self.block_dim, block_ids, part)
+
+    def _gather_staged(self, ids: torch.Tensor, payloads: list[torch.Tensor]) -> None:
+        """Stage by stage: a layer's blocks into the stage buffer in one operation, then one copy to
+        the host per payload (the side stream orders the buffer's reuse)."""
+        f, dim = self.factor, self.block_dim
+        ids = self._on_device(ids)
+        stages = self._stages(len(payloads))
+        work = torch.empty((max((hi - lo for lo, hi in stages), default=0), self.payload_size), dtype=torch.uint8,
+                           device=self.device)
+        for lo, hi in stages:
+            m, stage = hi - lo, work[: hi - lo]
+            for raw, off, size, shape in self._parts():
+                picked = raw.index_select(dim, ids[lo * f : hi * f]).unflatten(dim, (m, f))
+                stage[:, off : off + size].view(m, *shape).copy_(picked.movedim(dim, 0))
+            for dst, src in zip(payloads[lo:hi], stage):
+                dst.copy_(src, non_blocking=self._cuda)  # (waited for as the side stream ends)
+
+    def _scatter_staged(self, ids: torch.Tensor, sources: list[torch.Tensor], skip: int) -> None:
+        """Stage by stage: one copy to the device per payload, then a layer's blocks in one operation."""
+        f, dim = self.factor, self.block_dim
+        ids = self._on_device(ids)
+        stages = self._stages(len(sources))
+        work = torch.empty((max((hi - lo for lo, hi in stages), default=0), self.payload_size), dtype=torch.uint8,
+                           device=self.device)
+        for lo, hi in stages:
+            m, stage = hi - lo, work[: hi - lo]
+            for dst, src in zip(stage, sources[lo:hi]):
+                dst.copy_(src, non_blocking=self._cuda)
+            first = max(lo * f, skip)  # the stage's first block to write, counted over all payloads' blocks
+            for raw, off, size, shape in self._parts():
+                part = stage[:, off : off + size].view(m, *shape).movedim(0, dim).flatten(dim, dim + 1)
+                part = part.narrow(dim, first - lo * f, hi * f - first)
+                raw.index_copy_(dim, ids[first - skip : hi * f - skip], part)
+
+    def _stages(self, n: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` runs of ``n`` payloads that fit :data:`STAGE_BYTES` (one payload at least)."""
+        per = max(1, STAGE_BYTES // self.payload_size)
+        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
     def _parts(self) -> Iterable[tuple[torch.Tensor, int, int, tuple[int, ...]]]:
         """Per layer: its byte view, and its part's offset, size and shape in a payload."""
