@@ -164,8 +164,8 @@ def test_devices_other_than_the_cpu_go_through_device_side_payloads(block_dim: i
     src, dst = make_caches(torch.bfloat16, block_dim), make_caches(torch.bfloat16, block_dim, "zeros")
     out, into = PagedKVTransfer(src, 2, block_dim=block_dim), PagedKVTransfer(dst, 2, block_dim=block_dim)
     if stage != "whole":
-        monkeypatch.setattr(transfer, "STAGE_BYTES", 2 * out.payload_size + 1)
-        assert out._stages(3) == [(0, 2), (2, 3)]
+        monkeypatch.setattr(transfer, "STAGE_BYTES", 2 * (out.payload_size - HEADER_SIZE))  # 2 blocks' bytes
+        assert out._stages(3) == [(0, 1), (1, 3)]  # as few stages as fit, of even sizes
     expected = [p.clone() for p in out.gather([7, 2, 5, 0, 9, 8])]
     out._staged = into._staged = True
     payloads = out.gather([7, 2, 5, 0, 9, 8])
@@ -177,6 +177,8 @@ def test_devices_other_than_the_cpu_go_through_device_side_payloads(block_dim: i
             assert not blocks_of(d, block_dim, [1]).any()
     assert out.gather([]) == []
     into.scatter([], [])
+    with pytest.raises(ValueError, match="duplicate"):  # (ids as a tensor too)
+        into.scatter(payloads[:1], torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="meta device"):
         PagedKVTransfer([torch.empty(2, 4, 2, 2, device="meta")], 2)
 

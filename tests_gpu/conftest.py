@@ -6,8 +6,8 @@ a GPU, so they live outside ``tests/`` and run on a machine that has one::
 
     python -m pytest tests_gpu -q
 
-``KVSTORE_TEST_DEVICE=cpu`` runs them on CPU tensors instead (a dry run of their logic:
-the stream-order checks then have no streams to check).
+``KVSTORE_TEST_DEVICE=cpu`` runs them on CPU tensors instead, through the device route (a dry
+run of their logic: the stream-order checks then have no streams to check).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from kvstore.client import KVClient
 from kvstore.client.shm import ShmChannel
+from kvstore.engine.transfer import PagedKVTransfer
 from kvstore.server.process import ServerProcess
 
 DEVICE = torch.device(os.environ.get("KVSTORE_TEST_DEVICE", "cuda"))
@@ -33,6 +34,19 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():  # a clear refusal, 
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def device_route_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a CPU dry run, caches take the route a GPU's do (payloads staged "on the device")."""
+    if DEVICE.type == "cpu":
+        init = PagedKVTransfer.__init__
+
+        def staged(self: PagedKVTransfer, *args: object, **kwargs: object) -> None:
+            init(self, *args, **kwargs)  # type: ignore[arg-type]
+            self._staged = True
+
+        monkeypatch.setattr(PagedKVTransfer, "__init__", staged)
 
 
 @pytest.fixture(scope="module")

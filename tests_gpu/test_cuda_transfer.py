@@ -103,7 +103,8 @@ def test_a_load_that_skips_cached_blocks_writes_only_the_rest(client: KVClient, 
     for s, d in zip(src, dst):
         for a, b in zip(range(3, 8), range(11, 16)):
             assert torch.equal(block(s, dim, a), block(d, dim, b))
-        assert bool((d.view(torch.uint8).select(dim, 10) == POISON).all())
+        untouched = [b for b in range(BLOCKS) if b not in range(11, 16)]
+        assert bool((d.view(torch.uint8).index_select(dim, torch.tensor(untouched, device=device)) == POISON).all())
 
 
 def _slow_then(device: torch.device, work: list[torch.Tensor], value: int) -> None:
@@ -118,10 +119,10 @@ def _slow_then(device: torch.device, work: list[torch.Tensor], value: int) -> No
 @pytest.mark.parametrize("stream", ["default", "own"])
 def test_a_gather_sees_the_writes_queued_before_it_on_the_compute_stream(
         device: torch.device, stream: str) -> None:
-    """The forward pass that writes a block is queued, not done, when its store starts. On a stream
-    of its own (as an engine may run its forward pass) only the side stream's wait orders them; the
-    legacy default stream orders the side stream by itself (checked on a GPU: without the wait
-    ``own`` fails, ``default`` passes)."""
+    """The forward pass that writes a block is queued, not done, when its store starts: on the
+    default stream, and on a stream of its own (as an engine may run its forward pass). Checked on
+    an H200 with the side stream's wait taken out: ``own`` failed; ``default`` still passed there
+    (what else ordered it was not found)."""
     src, dim, _ = layers(device, "2NBHD", torch.bfloat16)
     send = PagedKVTransfer(src, 1, block_dim=dim)
     own = torch.cuda.Stream(device) if device.type == "cuda" and stream == "own" else None
@@ -203,6 +204,8 @@ def test_stores_and_loads_on_two_threads_share_one_cache(server, device: torch.d
         assert not any(t.is_alive() for t in threads)
         assert errors == []
         assert kv.exists(stored) == [True] * rounds
+        shm = kv.stats()["shm"]
+        assert shm["gets"] >= rounds and shm["puts"] >= 1  # (the first put, 12.5 MiB; the 512 KiB ones go inline)
 
 
 class _nothing:

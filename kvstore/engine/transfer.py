@@ -57,9 +57,10 @@ _HEADER = struct.Struct("<4sHH8s")
 _MAGIC = b"kvsP"
 _VERSION = 1
 HEADER_SIZE = _HEADER.size  # 16: keeps every layer part 16-byte aligned
-#: Device memory a gather or scatter stages payloads in, at most, whatever the job's size (a KV
-#: cache leaves little room beside it): 128 MiB takes a layer's blocks of 64 payloads of 2 MiB in
-#: one operation (on an H200, 33 GB/s gathered against 22 for 32 payloads a request).
+#: Payload bytes a gather or scatter stages on the device at a time, whatever the job's size (a KV
+#: cache leaves little room beside it; the copies add about one layer's share of a stage). A
+#: layer's blocks of a stage move in one operation: on an H200, 64 blocks of 2 MiB gathered at
+#: 32-33 GB/s, 32 at 21-22.
 STAGE_BYTES = 128 << 20
 
 
@@ -158,6 +159,8 @@ class PagedKVTransfer:
             if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.device.type != "cpu":
                 raise PayloadMismatch(f"buffer {i} must be a contiguous 1-d uint8 CPU tensor")
             self._check_size(i, p.numel())
+        if not n:  # (nothing to stage: no side stream, no pinned ids)
+            return payloads
         with self._on_side_stream():
             if self._staged:
                 self._gather_staged(ids, payloads)
@@ -186,10 +189,12 @@ class PagedKVTransfer:
         if not 0 <= skip < self.factor or len(gpu_block_ids) != n * self.factor - skip:
             raise ValueError(f"{n} payloads with skip={skip} need {n * self.factor - skip} GPU blocks, "
                              f"got {len(gpu_block_ids)}")
-        if len(set(gpu_block_ids)) != len(gpu_block_ids):
-            raise ValueError("duplicate destination GPU blocks")
         ids = self._ids(gpu_block_ids)
+        if ids.unique().numel() != ids.numel():  # (on the parsed ids: a tensor's elements hash by identity)
+            raise ValueError("duplicate destination GPU blocks")
         sources = [self._checked(i, p) for i, p in enumerate(payloads)]
+        if not n:
+            return
         with self._on_side_stream():
             if self._staged:
                 self._scatter_staged(ids, sources, skip)
@@ -237,9 +242,11 @@ class PagedKVTransfer:
                 raw.index_copy_(dim, ids[first - skip : hi * f - skip], part)
 
     def _stages(self, n: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` runs of ``n`` payloads that fit :data:`STAGE_BYTES` (one payload at least)."""
-        per = max(1, STAGE_BYTES // self.payload_size)
-        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+        """``[lo, hi)`` runs of ``n`` payloads, as few as fit :data:`STAGE_BYTES` (one payload at
+        least), of even sizes: no small last stage paying a stage's launches for a few blocks."""
+        count = -(-n // max(1, STAGE_BYTES // (self.payload_size - HEADER_SIZE)))  # (64 blocks of 2 MiB: one)
+        bounds = [n * k // count for k in range(count + 1)] if n else [0]
+        return list(zip(bounds, bounds[1:]))
 
     def _parts(self) -> Iterable[tuple[torch.Tensor, int, int, tuple[int, ...]]]:
         """Per layer: its byte view, and its part's offset, size and shape in a payload."""
