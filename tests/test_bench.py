@@ -173,6 +173,21 @@ def test_the_paged_bench_moves_a_cache_through_both_transports_and_reports_every
     assert [line.split()[0] for line in table[2:]] == [op.split()[0] for op in ops]
 
 
+def test_the_convoy_probe_times_the_client_alone_and_beside_a_busy_thread(capsys) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    from kvstore.bench import convoy
+
+    before = sys.getswitchinterval()
+    rows = convoy.measure([4096], [2], [1.0], rounds=3)
+    assert [(r["setting"], r["switch_ms"]) for r in rows] == [("alone", None), ("busy thread, switch 1 ms", 1.0)]
+    assert all(0 < r["p50_ms"] <= r["max_ms"] for r in rows)
+    assert sys.getswitchinterval() == before  # given back
+    assert convoy.main(["--sizes", "4k", "--batch", "1", "--switch-ms", "2", "--rounds", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["block", "batch", "setting"] and len(lines) == 3
+
+
 def test_copy_probe_compares_glibc_settings_in_child_processes(capsys) -> None:  # type: ignore[no-untyped-def]
     from kvstore.bench import copy
 

@@ -5,6 +5,7 @@ with partial chunks -- against a real kvstore server where one is needed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def test_settings_defaults_and_namespace() -> None:
     assert settings.namespace == default_namespace(config) == "vllm/facebook/opt-125m/float16/auto/tp2pp1/b4x3/p2"
     assert (settings.token, settings.tls, settings.lease_ms) == (None, None, None)
     assert not settings.flush_on_reset and not settings.remote_decode_dedup and settings.shm is None
+    assert settings.switch_interval_ms is None
     nulls = KVStoreSettings.from_config(offloading_config({  # (a template's null: the default)
         "kvstore_flush_on_reset": None, "kvstore_remote_decode_dedup": None, "kvstore_shm": None}))
     assert (nulls.flush_on_reset, nulls.remote_decode_dedup, nulls.shm) == (False, False, None)
@@ -98,12 +100,12 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
         "kvstore_token_file": str(token), "kvstore_lease_ms": "2500", "kvstore_timeout": 1,
         "kvstore_flush_on_reset": "true", "kvstore_tls": "/etc/ca.pem", "kvstore_remote_decode_dedup": 1,
         "kvstore_tls_server_name": "kvstore.internal", "kvstore_shm": "true", "kvstore_quarantine_s": "2.5",
-        "kvstore_remote_prefill_wait_s": 0}))
+        "kvstore_remote_prefill_wait_s": 0, "kvstore_switch_interval_ms": "0.5"}))
     assert settings.addr == ("10.0.0.1:7600", "10.0.0.2:7600")
     assert (settings.namespace, settings.token, settings.lease_ms, settings.timeout) == ("llama/tp0", "s3cret", 2500, 1.0)
     assert settings.flush_on_reset and settings.remote_decode_dedup and settings.tls == "/etc/ca.pem"
     assert settings.tls_server_name == "kvstore.internal" and settings.shm is True and settings.quarantine_s == 2.5
-    assert settings.remote_prefill_wait_s == 0.0
+    assert settings.remote_prefill_wait_s == 0.0 and settings.switch_interval_ms == 0.5
     assert "s3cret" not in repr(settings)
 
 
@@ -122,10 +124,27 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_quarantine_s": "soon"},
     {"kvstore_quarantine_s": float("nan")},
     {"kvstore_remote_prefill_wait_s": "a while"},
+    {"kvstore_switch_interval_ms": 0},
+    {"kvstore_switch_interval_ms": "fast"},
+    {"kvstore_switch_interval_ms": float("inf")},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KVStoreSettings.from_config(offloading_config(extra))
+
+
+def test_the_spec_sets_pythons_switch_interval_only_when_asked(kvstore_server: ServerProcess) -> None:
+    """The client's loop thread waits up to a switch interval for the interpreter lock at each
+    wake-up while another thread runs Python (kvstore.bench.convoy); the setting shortens it."""
+    before = sys.getswitchinterval()
+    try:
+        KVStoreOffloadingSpec(offloading_config({"kvstore_addr": kvstore_server.addr}))
+        assert sys.getswitchinterval() == before
+        KVStoreOffloadingSpec(offloading_config({"kvstore_addr": kvstore_server.addr,
+                                                 "kvstore_switch_interval_ms": 0.5}))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_the_clients_connect_and_retry_within_their_timeout(make_server: Any) -> None:
