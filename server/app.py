@@ -209,7 +209,7 @@ class Server:
                 flag = "--redis-cluster" if self.config.redis_cluster else "--redis"
                 raise StartupError(f"{flag} {self.tier.target}: {exc}") from None
         reserve = FD_RESERVE + (self.tier.max_connections() if self.tier is not None else 0)
-        self.max_connections = _fit_open_file_limit(self.config.max_connections, reserve)
+        self.max_connections = self.service.max_connections = _fit_open_file_limit(self.config.max_connections, reserve)
         try:
             await self._start_tcp()
             await self._start_unix()

@@ -198,6 +198,8 @@ class KVStoreCollector:
     @staticmethod
     def _connections(snap: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvstore_connections", "Open client connections", value=snap["connections"])
+        yield GaugeMetricFamily("kvstore_max_connections", "Client connections served at most (--max-connections, "
+                                "lowered where the open-file limit is too low)", value=snap["max_connections"])
         yield CounterMetricFamily("kvstore_connections_accepted", "Client connections accepted",
                                   value=snap["connections_total"])
         yield CounterMetricFamily("kvstore_connections_rejected", "Connections refused over --max-connections",

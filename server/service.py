@@ -276,6 +276,7 @@ class Service:
         self.config = config
         self.tier = tier
         self.counters = Counters()
+        self.max_connections = config.max_connections  # the server's cap once fitted to the open-file limit
         self.started = time.time()
         self.auth = auth
         self.max_reply = config.limits().max_payload  # a bigger GET reply is refused by the client's codec
@@ -517,6 +518,7 @@ class Service:
             "store": self.store.stats(),
             "namespaces": self.store.namespaces(),
             "connections": c.connections,
+            "max_connections": self.max_connections,
             "connections_total": c.connections_total,
             "connections_rejected": c.connections_rejected,
             "auth_failures": c.auth_failures,

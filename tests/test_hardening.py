@@ -162,6 +162,8 @@ async def test_the_open_file_limit_is_raised_for_max_connections_or_the_cap_lowe
     hard = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # (raising it needs privilege)
     raised = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(300, hard))
     assert open_files(raised.proc.pid) == 400 + 64  # (FD_RESERVE; a Redis tier adds its pool's)
+    async with AsyncKVClient(raised.addr) as kv:
+        assert (await kv.stats())["max_connections"] == 400
     low = make_server("--capacity", "8MiB", "--max-connections", "400", open_files=(214, 214))
     assert any("--max-connections 400 lowered to 150" in line for line in low.log)
     socks: list[socket.socket] = []
@@ -181,7 +183,8 @@ async def test_the_open_file_limit_is_raised_for_max_connections_or_the_cap_lowe
                 await asyncio.sleep(0.05)
             async with AsyncKVClient(low.addr, namespace="fd") as late:  # room again
                 assert await late.ping() >= 0
-            assert (await kv.stats())["connections_rejected"] == 1
+            stats = await kv.stats()
+            assert (stats["connections_rejected"], stats["max_connections"]) == (1, 150)  # the cap in force
         finally:
             for s in socks:
                 s.close()

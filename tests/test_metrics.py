@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import socket
 import time
 import urllib.error
@@ -82,6 +83,8 @@ async def test_counters_match_known_traffic_exactly(make_server, metrics_url) ->
     assert value(during, "kvstore_bytes_out_total") > 1000  # the GET reply carried a 1000-byte block
     assert value(during, "kvstore_connections") == 1
     assert value(after, "kvstore_connections") == 0
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # (the server's, inherited; 64 kept for its own files)
+    assert value(after, "kvstore_max_connections") == min(1024, hard - 64)  # the default cap, or what fits
     assert value(after, "kvstore_connections_accepted_total") == 2
     assert value(after, "kvstore_requests_total", op="put") == 3
     assert value(after, "kvstore_requests_total", op="hello") == 1
