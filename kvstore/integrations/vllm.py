@@ -564,11 +564,15 @@ class KVStoreOffloadingManager(OffloadingManager):
         Its answers are its own (another request with the same prompt neither waits with it nor
         ends its wait). The server is asked in rounds (:meth:`_probe_waiting`): at most one a
         step for a group, in steps at least ``PREFILL_PROBE_S`` apart engine-wide, unless vLLM
-        asks about a chunk no round has covered yet (a new request, another group)."""
+        asks about a chunk no round has covered yet (a new request, another group) and no round
+        ran this step yet (else it waits for the next step's round)."""
         group = get_offload_group_idx(OffloadKey(key))
         fresh = key not in wait.deferred
         if fresh:
             wait.starts[group] = bytes(key)  # (a full group is asked from past the engine's own prefix cache)
+            if self._prefill_probed:  # a round ran this step: this one joins the next step's (a burst
+                self._waiting[req_context.req_id] = (req_context, wait)  # of N costs 2 rounds, not N)
+                return LookupResult.RETRY
         if fresh or (wait.probed.get(group) != self._steps and time.monotonic() >= self._next_prefill_probe):
             if not self._probe_waiting(req_context, wait, group):
                 return LookupResult.MISS  # (no waiting on a server that fails)
