@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvstore.bench.common import make_keys, parse_sizes, pct
 from kvstore.bench.matrix import rounds_for_time
 from kvstore.bench.targets import RedisTarget
@@ -179,13 +181,17 @@ def test_the_convoy_probe_times_the_client_alone_and_beside_a_busy_thread(capsys
     from kvstore.bench import convoy
 
     before = sys.getswitchinterval()
-    rows = convoy.measure([4096], [2], [1.0], rounds=3)
-    assert [(r["setting"], r["switch_ms"]) for r in rows] == [("alone", None), ("busy thread, switch 1 ms", 1.0)]
+    rows = convoy.measure([4096], [2], [1.0], rounds=3, repeat=2)
+    assert [(r["setting"], r["switch_ms"]) for r in rows] == [
+        ("alone", None), ("busy process (control)", None), ("busy thread, switch 1 ms", 1.0)]
     assert all(0 < r["p50_ms"] <= r["max_ms"] for r in rows)
     assert sys.getswitchinterval() == before  # given back
-    assert convoy.main(["--sizes", "4k", "--batch", "1", "--switch-ms", "2", "--rounds", "2"]) == 0
+    assert convoy.main(["--sizes", "4k", "--batch", "1", "--switch-ms", "2", "--rounds", "2", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["block", "batch", "setting"] and len(lines) == 3
+    assert lines[0].split()[:3] == ["block", "batch", "setting"] and len(lines) == 4
+    for bad in (["--switch-ms", "0"], ["--rounds", "0"]):  # refused before any server starts
+        with pytest.raises(SystemExit):
+            convoy.main(bad)
 
 
 def test_copy_probe_compares_glibc_settings_in_child_processes(capsys) -> None:  # type: ignore[no-untyped-def]

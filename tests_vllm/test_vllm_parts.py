@@ -127,6 +127,10 @@ def test_settings_from_extra_config(tmp_path: Path) -> None:
     {"kvstore_switch_interval_ms": 0},
     {"kvstore_switch_interval_ms": "fast"},
     {"kvstore_switch_interval_ms": float("inf")},
+    {"kvstore_switch_interval_ms": True},  # (not 1 ms)
+    {"kvstore_switch_interval_ms": 10**400},  # (OverflowError in float())
+    {"kvstore_quarantine_s": True},
+    {"kvstore_remote_prefill_wait_s": 10**400},
 ])
 def test_bad_settings_are_refused(extra: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

@@ -244,7 +244,7 @@ class PagedKVTransfer:
     def _stages(self, n: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` runs of ``n`` payloads, as few as fit :data:`STAGE_BYTES` (one payload at
         least), of even sizes: no small last stage paying a stage's launches for a few blocks."""
-        count = -(-n // max(1, STAGE_BYTES // (self.payload_size - HEADER_SIZE)))  # (64 blocks of 2 MiB: one)
+        count = -(-n // max(1, STAGE_BYTES // max(1, self.payload_size - HEADER_SIZE)))  # (64 blocks of 2 MiB: one)
         bounds = [n * k // count for k in range(count + 1)] if n else [0]
         return list(zip(bounds, bounds[1:]))
 
