@@ -33,7 +33,7 @@ import hashlib
 import logging
 import operator
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -213,11 +213,8 @@ class PagedKVTransfer:
         the host per payload (the side stream orders the buffer's reuse)."""
         f, dim = self.factor, self.block_dim
         ids = self._on_device(ids)
-        stages = self._stages(len(payloads))
-        work = torch.empty((max((hi - lo for lo, hi in stages), default=0), self.payload_size), dtype=torch.uint8,
-                           device=self.device)
-        for lo, hi in stages:
-            m, stage = hi - lo, work[: hi - lo]
+        for lo, hi, stage in self._stage_buffers(len(payloads)):
+            m = hi - lo
             for raw, off, size, shape in self._parts():
                 picked = raw.index_select(dim, ids[lo * f : hi * f]).unflatten(dim, (m, f))
                 stage[:, off : off + size].view(m, *shape).copy_(picked.movedim(dim, 0))
@@ -228,11 +225,8 @@ class PagedKVTransfer:
         """Stage by stage: one copy to the device per payload, then a layer's blocks in one operation."""
         f, dim = self.factor, self.block_dim
         ids = self._on_device(ids)
-        stages = self._stages(len(sources))
-        work = torch.empty((max((hi - lo for lo, hi in stages), default=0), self.payload_size), dtype=torch.uint8,
-                           device=self.device)
-        for lo, hi in stages:
-            m, stage = hi - lo, work[: hi - lo]
+        for lo, hi, stage in self._stage_buffers(len(sources)):
+            m = hi - lo
             for dst, src in zip(stage, sources[lo:hi]):
                 dst.copy_(src, non_blocking=self._cuda)
             first = max(lo * f, skip)  # the stage's first block to write, counted over all payloads' blocks
@@ -240,6 +234,15 @@ class PagedKVTransfer:
                 part = stage[:, off : off + size].view(m, *shape).movedim(0, dim).flatten(dim, dim + 1)
                 part = part.narrow(dim, first - lo * f, hi * f - first)
                 raw.index_copy_(dim, ids[first - skip : hi * f - skip], part)
+
+    def _stage_buffers(self, n: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Each stage's ``[lo, hi)`` payloads and its rows of one device buffer, reused stage after
+        stage (on CUDA the side stream orders the reuse)."""
+        stages = self._stages(n)
+        work = torch.empty((max((hi - lo for lo, hi in stages), default=0), self.payload_size), dtype=torch.uint8,
+                           device=self.device)
+        for lo, hi in stages:
+            yield lo, hi, work[: hi - lo]
 
     def _stages(self, n: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` runs of ``n`` payloads, as few as fit :data:`STAGE_BYTES` (one payload at
