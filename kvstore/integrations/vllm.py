@@ -166,8 +166,9 @@ class KVStoreSettings:
             their loads always try (a load that fails stops vLLM).
         switch_interval_ms: ``kvstore_switch_interval_ms``: set Python's thread switch
             interval (``sys.setswitchinterval``, 5 ms by default) in the processes that load the
-            spec. The client's event-loop thread needs the interpreter lock at every wake-up;
-            while another thread runs Python without pause it gets the lock once per interval
+            spec. A client call hands over between the caller's thread and the client's
+            event-loop thread, and each wake-up needs the interpreter lock; while another thread
+            runs Python without pause, a waking thread gets it once per interval
             (``python -m kvstore.bench.convoy``: a 64 KiB get 0.28 -> 21 ms at 5 ms, 2.8 ms at
             0.5 ms). Process-wide and kept after the connector closes. None (default): leave it.
     """
@@ -570,8 +571,10 @@ class KVStoreOffloadingManager(OffloadingManager):
         fresh = key not in wait.deferred
         if fresh:
             wait.starts[group] = bytes(key)  # (a full group is asked from past the engine's own prefix cache)
-            if self._prefill_probed:  # a round ran this step: this one joins the next step's (a burst
-                self._waiting[req_context.req_id] = (req_context, wait)  # of N costs 2 rounds, not N)
+            # A round ran this step already: this request joins the next step's (a burst of N new
+            # requests costs two rounds, not N).
+            if self._prefill_probed:
+                self._waiting[req_context.req_id] = (req_context, wait)
                 return LookupResult.RETRY
         if fresh or (wait.probed.get(group) != self._steps and time.monotonic() >= self._next_prefill_probe):
             if not self._probe_waiting(req_context, wait, group):
