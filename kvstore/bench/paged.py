@@ -77,6 +77,33 @@ def _timed(fn: Op, seconds: float, sync: Callable[[], None]) -> tuple[float, int
     return statistics.median(times), len(times)
 
 
+def _client_ops(kv: KVClient, tr: str, transfer: PagedKVTransfer, payloads: list[torch.Tensor], ids_a: list[int],
+                ids_b: list[int]) -> dict[str, Op]:
+    """One transport's ops: the client alone, then with the cache's gather or scatter around it."""
+    views = [p.numpy().data for p in payloads]
+    stored = make_keys(f"paged-{tr}", len(views))
+    kv.put(stored, views)
+    fresh = make_keys(f"paged-{tr}-new", len(views))
+
+    def put() -> Callable[[], Any]:
+        res = kv.put(fresh, views)
+        assert res.stored == len(views), res
+        return lambda: kv.delete(fresh)
+
+    def store() -> Callable[[], Any]:
+        transfer.gather(ids_a, out=payloads)
+        return put()
+
+    def get_into() -> None:
+        assert all(kv.get_into(stored, views))
+
+    def load() -> None:
+        get_into()
+        transfer.scatter(payloads, ids_b)
+
+    return {f"put {tr}": put, f"store {tr}": store, f"get_into {tr}": get_into, f"load {tr}": load}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -91,7 +118,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids_a = list(range(args.batch * args.factor))
     ids_b = list(range(args.batch * args.factor, nblocks))
     payloads = transfer.new_payloads(args.batch)
-    views = [p.numpy().data for p in payloads]
     flat = torch.empty(total, dtype=torch.uint8, device=device).random_(0, 256)
     host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -119,34 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for tr in args.transports.split(","):
                 kv = KVClient(srv.addr, shm=tr == "shm")
                 clients.append(kv)
-                stored = make_keys(f"paged-{tr}", args.batch)
-                kv.put(stored, views)
-                fresh = make_keys(f"paged-{tr}-new", args.batch)
-
-                def put(kv: KVClient = kv, fresh: list[bytes] = fresh) -> Callable[[], Any]:
-                    res = kv.put(fresh, views)
-                    assert res.stored == args.batch, res
-                    return lambda: kv.delete(fresh)
-
-                def store(kv: KVClient = kv, fresh: list[bytes] = fresh) -> Callable[[], Any]:
-                    transfer.gather(ids_a, out=payloads)
-                    res = kv.put(fresh, views)
-                    assert res.stored == args.batch, res
-                    return lambda: kv.delete(fresh)
-
-                def get_into(kv: KVClient = kv, stored: list[bytes] = stored) -> None:
-                    assert all(kv.get_into(stored, views))
-
-                def load(kv: KVClient = kv, stored: list[bytes] = stored) -> None:
-                    assert all(kv.get_into(stored, views))
-                    transfer.scatter(payloads, ids_b)
-
-                ops.update({f"put {tr}": put, f"store {tr}": store, f"get_into {tr}": get_into, f"load {tr}": load})
-            for fn in ops.values():  # warm-up: allocators, pinned pools, first attaches
-                after = fn()
-                sync()
-                if after is not None:
-                    after()
+                ops.update(_client_ops(kv, tr, transfer, payloads, ids_a, ids_b))
+            for fn in ops.values():  # warm-up, one round each: allocators, pinned pools, first attaches
+                _timed(fn, 0, sync)
             for _ in range(args.trials):
                 for name, fn in ops.items():
                     results.setdefault(name, []).append(_timed(fn, args.seconds, sync))
