@@ -19,4 +19,6 @@ fi
 .venv/bin/python -m pip install -q ${TORCH_PIP_ARGS:-} torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
 
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist): the tests mostly wait on the servers they start, so two halve the
+# run on two cores. KVSTORE_TEST_WORKERS=0 (or a later -n 0) runs them in this one process.
+exec .venv/bin/python -m pytest -n "${KVSTORE_TEST_WORKERS:-2}" "$@"
