@@ -182,6 +182,16 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             add(name, f"{cost:.1%}", cost <= 0.15, f"{checked['gbps']:.2f} vs {unchecked['gbps']:.2f} GB/s unverified")
         else:
             missing(name)
+    for size in (1 * MiB, 4 * MiB):  # the same-host shared-memory path, against TCP in the same run
+        for op in ("put", "get_into"):
+            name = f"shm {op} {fmt_size(size)} x32 >= 10 GB/s and 2.5x TCP"
+            shm, tcp = ix.get(("kvstore-shm", op, size, 32)), ix.get(("kvstore", op, size, 32))
+            if shm and tcp and tcp["gbps"]:
+                vs = shm["gbps"] / tcp["gbps"]  # (medians, as the table's "vs tcp")
+                add(name, f"{shm['gbps']:.2f}, {vs:.2f}x", shm["gbps"] >= 10 and vs >= 2.5,
+                    f"{shm['gbps']:.2f} GB/s, {vs:.2f}x TCP's {tcp['gbps']:.2f}")
+            else:
+                missing(name)
     worst: tuple[float, dict[str, Any]] | None = None
     for r in res.get("matrix", []):
         redis = _best(ix, "redis", REDIS_OF.get(r["op"], ()), r["size"], r["batch"])
