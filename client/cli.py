@@ -28,7 +28,7 @@ from kvstore.protocol import Ping
 from . import workers
 from .aio import AsyncKVClient
 from .connection import open_connection
-from .tokens import read_token_file
+from .tokens import read_token_file, uncovered
 
 PROG = "kvstore-cli"
 ENV = "KVSTORE_"
@@ -444,8 +444,12 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
-def _explain(exc: KVStoreError) -> str:
+def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
     if isinstance(exc, Unauthorized):
+        globs = uncovered(args.token_file, args.namespace) if args is not None and args.token_file else []
+        if globs:
+            return (f"refused by the server: {exc} (--token-file {args.token_file} has no entry for namespace "
+                    f"{args.namespace!r}, only for {', '.join(globs)}; its first line went as the token)")
         return f"refused by the server: {exc} (check --token-file / KVSTORE_TOKEN_FILE)"
     if isinstance(exc, TransportError):
         return f"{exc}"
@@ -465,6 +469,7 @@ async def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     flags: Iterable[str] = ()
+    args: argparse.Namespace | None = None
 
     def said(exc: Exception) -> str:  # (a flag set by its KVSTORE_* variable says so)
         return note_env(str(exc), argv, flags)
@@ -482,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Failure as exc:
         return _fail(said(exc))
     except KVStoreError as exc:
-        return _fail(_explain(exc))
+        return _fail(_explain(exc, args))
     except BrokenPipeError:  # `kvstore-cli stats | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0

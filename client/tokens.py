@@ -11,7 +11,8 @@ def read_token_file(path: str | Path, namespace: str | None = None) -> str:
     stripped -- or, given the client's ``namespace``, the first entry that covers it when the file
     is written as the server's ``--token-file`` (``TOKEN`` or ``NAMESPACE_GLOB:TOKEN`` lines): a
     container that sets ``KVSTORE_TOKEN_FILE`` for its server hands the same file to a
-    ``kvstore-cli`` run inside it. A file with no such entry gives its first line whole.
+    ``kvstore-cli`` run inside it. A file with no such entry gives its first line whole (refused,
+    the CLI names the globs the file has: :func:`uncovered`).
 
     Read as the server reads its ``--token-file``: UTF-8, a byte-order mark dropped (an editor's
     BOM would otherwise become part of the token), any line ending.
@@ -20,6 +21,28 @@ def read_token_file(path: str | Path, namespace: str | None = None) -> str:
         OSError: the file cannot be read.
         ValueError: it is not UTF-8 text, or holds no token.
     """
+    lines = _lines(path)
+    if namespace is not None:
+        token = _covering(lines, namespace)
+        if token is not None:
+            return token
+    return lines[0]
+
+
+def uncovered(path: str | Path, namespace: str) -> list[str]:
+    """The namespace globs of a server-style token file none of which covers ``namespace`` (its
+    first line then went whole, and the server said "wrong token"); empty where one covers it, a
+    bare token is there, or the file cannot be read: a hint for the refusal, never an error."""
+    try:
+        lines = _lines(path)
+    except (OSError, ValueError):
+        return []
+    if _covering(lines, namespace) is not None:
+        return []
+    return [line.partition(":")[0] for line in lines]
+
+
+def _lines(path: str | Path) -> list[str]:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
@@ -27,11 +50,15 @@ def read_token_file(path: str | Path, namespace: str | None = None) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
         raise ValueError(f"{path}: holds no token")
-    if namespace is not None:
-        for line in lines:
-            pattern, sep, token = line.partition(":")
-            if not sep:  # (a bare token: every namespace)
-                return line
-            if token and fnmatchcase(namespace, pattern):
-                return token
-    return lines[0]
+    return lines
+
+
+def _covering(lines: list[str], namespace: str) -> str | None:
+    """The token of the first entry that covers ``namespace`` (a bare token covers every one)."""
+    for line in lines:
+        pattern, sep, token = line.partition(":")
+        if not sep:
+            return line
+        if token and fnmatchcase(namespace, pattern):
+            return token
+    return None

@@ -332,6 +332,27 @@ def test_the_cli_takes_its_namespaces_token_from_a_server_token_file(make_server
     assert read_token_file(own, "default") == "tok:with:colons"
 
 
+def test_the_cli_says_when_a_server_token_file_has_no_entry_for_its_namespace(make_server, tmp_path: Path) -> None:
+    """No entry covered the namespace, so the file's first line went whole and the CLI said only
+    "token missing or wrong"; it now names the namespace and the globs the file has."""
+    path = tmp_path / "server-tokens"
+    path.write_text(f"llama/*:{NS_TOKEN}\nqwen/*:other\n")
+    srv = make_server("--capacity", "8MiB", "--token-file", str(path))
+    cli = [str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr, "--token-file", str(path)]
+    r = subprocess.run([*cli, "-n", "mistral", "stats"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"kvstore-cli: refused by the server: token missing or wrong (--token-file {path} has "
+                                "no entry for namespace 'mistral', only for llama/*, qwen/*; its first line went "
+                                "as the token)")
+    assert NS_TOKEN not in r.stderr
+    r = subprocess.run([*cli, "-n", "llama/a", "stats"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    wrong = tmp_path / "wrong"
+    wrong.write_text("llama/*:not-the-token\n")  # covered but wrong: the plain hint
+    r = subprocess.run([*cli[:-1], str(wrong), "-n", "llama/a", "stats"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and r.stderr.strip().endswith("(check --token-file / KVSTORE_TOKEN_FILE)")
+
+
 def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(make_server, token_file: Path) -> None:
     """PINGs are answered before HELLO (health checks); they used to keep tokenless peers in every
     connection slot for good."""
