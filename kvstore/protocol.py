@@ -282,6 +282,8 @@ class FrameReader:
         return op, rid, meta_len, payload_len
 
     def _parse_meta(self, op: int, raw: memoryview, payload_len: int) -> tuple[Message | None, Exception | None]:
+        if not len(raw):  # (msgpack's own complaint would be a bare ValueError)
+            raise ProtocolError("no meta: a message with no fields carries the empty msgpack map (0x80)")
         try:
             meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
         except Exception as exc:  # msgpack raises many types on garbage

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--redis-timeout", _timeout, d.redis_timeout, "Redis socket timeout in seconds")
     # operations and hardening (docs/operations.md)
     add("--metrics-port", _optional_port, d.metrics_port,
-        "serve /metrics, /healthz, /livez over HTTP on --host at this port (0 = any free port; off if unset)")
+        "serve /metrics, /readyz, /healthz, /livez over HTTP on --host at this port (0 = any free port; off if unset)")
     add("--log-format", str.lower, d.log_format, "one line per event: key=value or JSON", choices=["kv", "json"])
     add("--token-file", str, d.token_file, "require a token: file of TOKEN or NAMESPACE_GLOB:TOKEN lines")
     add("--tls-cert", str, d.tls_cert, "serve TLS with this PEM certificate (chain)")

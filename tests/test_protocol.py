@@ -219,6 +219,7 @@ def test_put_whose_sizes_lie_about_the_payload_is_invalid() -> None:
         (HEADER.pack(MAGIC, VERSION, 3, 1, 5, 1 << 50), "payload"),
         (HEADER.pack(MAGIC, VERSION, 2, 1, 3, 0) + b"\xc1\xc1\xc1", "msgpack"),
         (HEADER.pack(MAGIC, VERSION, 2, 1, 2, 0) + msgpack.packb([1]), "map"),
+        (HEADER.pack(MAGIC, VERSION, 2, 1, 0, 0), r"no meta: .* empty msgpack map \(0x80\)"),  # a PING, meta left out
     ],
 )
 def test_malformed_frames_raise_protocol_error(data: bytes, match: str) -> None:
