@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill: compute and store; decode: load and generate; local: the reference, no server")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--server", default="127.0.0.1:7600", help="kvstore-server host:port")
+    parser.add_argument("--server", default=os.environ.get("KVSTORE_ADDR") or "127.0.0.1:7600",
+                        help="kvstore-server host:port [KVSTORE_ADDR, as kvstore-cli; default 127.0.0.1:7600]")
     args = parser.parse_args(argv)
     failed = 0
     try:
         results = run(args.mode, args.prompt, args.max_tokens, args.server)
     except NoServer as exc:
         print(f"{args.mode}: {exc}; start one (`kvstore-server &` serves 127.0.0.1:7600) or give its "
-              f"address with --server HOST:PORT", file=sys.stderr)
+              f"address with --server HOST:PORT (or KVSTORE_ADDR)", file=sys.stderr)
         return 1
     for res in results:
         print(json.dumps(res), flush=True)

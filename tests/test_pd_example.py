@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,12 @@ def load_example() -> ModuleType:
     return module
 
 
-def run_process(mode: str, addr: str, cwd: Path) -> list[dict[str, Any]]:
-    cmd = [sys.executable, str(EXAMPLE), mode, "--server", addr, "--prompt", P1, "--prompt", P2,
-           "--max-tokens", str(MAX_TOKENS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
+def run_process(mode: str, addr: str, cwd: Path, by_env: bool = False) -> list[dict[str, Any]]:
+    """``by_env``: the address in KVSTORE_ADDR (as kvstore-cli takes it), not ``--server``."""
+    where = [] if by_env else ["--server", addr]
+    env = {**os.environ, "KVSTORE_ADDR": addr} if by_env else {k: v for k, v in os.environ.items() if k != "KVSTORE_ADDR"}
+    cmd = [sys.executable, str(EXAMPLE), mode, *where, "--prompt", P1, "--prompt", P2, "--max-tokens", str(MAX_TOKENS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -48,7 +51,7 @@ def counts(result: dict[str, Any]) -> tuple[int, int, int]:
 def test_decode_process_continues_what_the_prefill_process_computed(kv_server: ServerProcess,
                                                                       tmp_path: Path) -> None:
     prefill = run_process("prefill", kv_server.addr, tmp_path)
-    decode = run_process("decode", kv_server.addr, tmp_path)
+    decode = run_process("decode", kv_server.addr, tmp_path, by_env=True)
     local = load_example().run("local", [P1, P2], MAX_TOKENS, None)
 
     # P1: nothing to load; all 3 full blocks offloaded. P2 loads P1's 3 blocks, computes only the
