@@ -75,6 +75,8 @@ class PutResult:
 
 
 def _parse_addr(addr: str) -> tuple[str, int]:
+    if "://" in addr:  # ("http://h:7600" would parse as the host "http://h" and fail at the resolver)
+        raise InvalidRequest(f"address must be 'host:port' (no scheme), got {addr!r}")
     host, sep, port = addr.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
@@ -436,7 +438,8 @@ class AsyncKVClient:
     Args:
         addr: ``"host:port"``, ``"unix:/path/to.sock"`` (same host), or a list of them.
         namespace: the namespace every operation works in.
-        token: shared secret, when the server requires one.
+        token: shared secret, when the server requires one; surrounding whitespace (the newline of
+            a file read whole) is dropped, as the server drops it from its token file.
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
         pool_size: connections per server.
         timeout: seconds a request may take before ``RequestTimeout`` (None: no limit; bad
@@ -481,7 +484,9 @@ class AsyncKVClient:
         if len(set(addrs)) != len(addrs):
             raise InvalidRequest(f"server addresses must be distinct, got {addrs}")
         self.namespace = namespace
-        self.token = token
+        if token is not None and not isinstance(token, str):
+            raise InvalidRequest(f"token must be a string, got {type(token).__name__}")
+        self.token = token.strip() if token is not None else None
         self.tls = _ssl_context(tls)
         self.server_hostname = server_hostname
         if type(pool_size) is not int or pool_size < 1:

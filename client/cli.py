@@ -380,7 +380,11 @@ async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> i
     key = parse_key(args.key)
     data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     res = await kv.put([key], [data])
-    print(f"{res.statuses[0]}: {key.hex()} ({format_size(len(data))}) in namespace {args.namespace!r}", file=out)
+    if res.statuses[0] == "existed":  # (the stored block stays; its size is not this file's)
+        print(f"existed: {key.hex()} in namespace {args.namespace!r}, kept as it was (blocks are immutable: "
+              f"delete it first to store other bytes)", file=out)
+    else:
+        print(f"{res.statuses[0]}: {key.hex()} ({format_size(len(data))}) in namespace {args.namespace!r}", file=out)
     return 0
 
 

@@ -68,6 +68,11 @@ async def test_right_token_works_wrong_or_missing_is_refused(make_server, token_
         assert [bytes(b) for b in await kv.get([b"k1"])] == [b"value"]
         stats = await kv.stats()
     assert stats["auth_failures"] == 5
+    # a token read from a file whole keeps its newline: dropped, as the server drops it from its file
+    async with AsyncKVClient(srv.addr, token=f"{TOKEN}\n", namespace="any") as kv:
+        assert [bytes(b) for b in await kv.get([b"k1"])] == [b"value"]
+    with pytest.raises(InvalidRequest, match="token must be a string"):
+        AsyncKVClient(srv.addr, token=TOKEN.encode())  # type: ignore[arg-type]
     log = "".join(srv.log)
     assert "refused HELLO" in log
     assert TOKEN not in log and "wrong" not in log.replace("wrong token", "")  # tokens never logged

@@ -54,6 +54,10 @@ def test_put_get_exists_delete_round_trip_in_hex(server, tmp_path: Path) -> None
     src = tmp_path / "value.bin"
     src.write_bytes(b"from a file")
     assert cli("put", "ab" * 16, str(src), "-n", "dbg", addr=server.addr).returncode == 0
+    r = cli("put", "ab" * 16, "-", "-n", "dbg", addr=server.addr, stdin=b"other bytes, 23 of them")
+    assert r.returncode == 0  # (it said "existed: ... (23 B)", the size of bytes it did not store)
+    assert r.stdout.decode().strip() == (f"existed: {'ab' * 16} in namespace 'dbg', kept as it was (blocks are "
+                                         "immutable: delete it first to store other bytes)")
     with KVClient(server.addr, namespace="dbg") as kv:  # what the CLI stored is what a client reads
         assert [bytes(b) for b in kv.get([bytes.fromhex(KEY), bytes.fromhex("ab" * 16)])] == [VALUE, b"from a file"]
     r = cli("exists", KEY, "cd" * 16, "-n", "dbg", addr=server.addr)

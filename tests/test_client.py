@@ -225,6 +225,13 @@ def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict
         AsyncKVClient("127.0.0.1:7600", **setting)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("addr", ["http://127.0.0.1:7600", "redis://127.0.0.1:7600", "127.0.0.1", "h:0"])
+def test_an_address_that_is_not_host_port_is_an_invalid_request(addr: str) -> None:
+    """(a URL was taken for a host named "http://127.0.0.1" and failed at the resolver, a TransportError)"""
+    with pytest.raises(InvalidRequest, match="host:port"):
+        AsyncKVClient(addr)
+
+
 async def test_keys_of_any_iterable_empty_buffers_of_any_shape_and_a_misfit_named_by_its_key() -> None:
     with ServerProcess("--capacity", "16MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=2, split_bytes=1 << 20) as kv:
