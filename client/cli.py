@@ -450,10 +450,10 @@ def _fail(message: str, code: int = 1) -> int:
 
 def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
     if isinstance(exc, Unauthorized):
-        globs = uncovered(args.token_file, args.namespace) if args is not None and args.token_file else []
-        if globs:
-            return (f"refused by the server: {exc} (--token-file {args.token_file} has no entry for namespace "
-                    f"{args.namespace!r}, only for {', '.join(globs)}; its first line went as the token)")
+        if args is not None and args.token_file and uncovered(args.token_file, args.namespace):
+            # (the globs themselves are not shown: in a client's own file, "a:b" is one token)
+            return (f"refused by the server: {exc} (no NAMESPACE_GLOB:TOKEN line of --token-file {args.token_file} "
+                    f"covers namespace {args.namespace!r}, so its first line went whole as the token)")
         return f"refused by the server: {exc} (check --token-file / KVSTORE_TOKEN_FILE)"
     if isinstance(exc, TransportError):
         return f"{exc}"

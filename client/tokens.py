@@ -12,7 +12,7 @@ def read_token_file(path: str | Path, namespace: str | None = None) -> str:
     is written as the server's ``--token-file`` (``TOKEN`` or ``NAMESPACE_GLOB:TOKEN`` lines): a
     container that sets ``KVSTORE_TOKEN_FILE`` for its server hands the same file to a
     ``kvstore-cli`` run inside it. A file with no such entry gives its first line whole (refused,
-    the CLI names the globs the file has: :func:`uncovered`).
+    the CLI says so: :func:`uncovered`).
 
     Read as the server reads its ``--token-file``: UTF-8, a byte-order mark dropped (an editor's
     BOM would otherwise become part of the token), any line ending.
@@ -29,17 +29,13 @@ def read_token_file(path: str | Path, namespace: str | None = None) -> str:
     return lines[0]
 
 
-def uncovered(path: str | Path, namespace: str) -> list[str]:
-    """The namespace globs of a server-style token file none of which covers ``namespace`` (its
-    first line then went whole, and the server said "wrong token"); empty where one covers it, a
-    bare token is there, or the file cannot be read: a hint for the refusal, never an error."""
+def uncovered(path: str | Path, namespace: str) -> bool:
+    """Whether no line of a token file covers ``namespace`` (:func:`read_token_file` then gave its
+    first line whole); False where one does, or the file cannot be read: a hint for a refusal."""
     try:
-        lines = _lines(path)
+        return _covering(_lines(path), namespace) is None
     except (OSError, ValueError):
-        return []
-    if _covering(lines, namespace) is not None:
-        return []
-    return [line.partition(":")[0] for line in lines]
+        return False
 
 
 def _lines(path: str | Path) -> list[str]:
