@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 #: ``max_pending_out`` bounds their bytes: a GET of many small (or repeated) blocks queues one
 #: buffer and one pin per key in a few bytes, and uvloop fails a transport holding ~2**20 buffers.
 MAX_QUEUED_BUFFERS = 1 << 16
+#: After answering a frame it refuses, how long a connection still reads (and drops) what the peer
+#: sends before it closes. Closing with the peer's bytes unread makes the kernel reset the
+#: connection, and a client still sending then got the reset instead of the answer (seen under load).
+LINGER_S = 1.0
+_DROPPED = memoryview(bytearray(1 << 16))  # where a lingering connection's input goes
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -68,6 +73,7 @@ class Connection(asyncio.BufferedProtocol):
         self.queued = 0  # buffers and pins written since the transport last drained (MAX_QUEUED_BUFFERS)
         self.reading_paused = False
         self.closing = False
+        self.lingering: asyncio.TimerHandle | None = None  # answered a refused frame: dropping input until then
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests waiting on a backing tier
         self.idle = asyncio.Event()
@@ -99,6 +105,8 @@ class Connection(asyncio.BufferedProtocol):
         self.service.counters.connections_total += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.lingering is not None:
+            self.lingering.cancel()
         if self.put_sink is not None:
             self.put_sink.abort()
             self.put_sink = None
@@ -109,9 +117,11 @@ class Connection(asyncio.BufferedProtocol):
         self.registry.discard(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer()
+        return _DROPPED if self.lingering is not None else self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.lingering is not None:
+            return
         self.reader.buffer_updated(nbytes)
         self.service.counters.bytes_in += nbytes
         self.received += nbytes
@@ -290,7 +300,24 @@ class Connection(asyncio.BufferedProtocol):
         else:
             code, message = error_fields(exc)
             self._write(error_reply(0, code, message))
-        self.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close once the peer has had the answer: our side now (its FIN follows the answer), the
+        connection when the peer closes or after :data:`LINGER_S`, its bytes read and dropped
+        meanwhile. (A TLS transport cannot half-close: it closes at once, as before.)"""
+        transport = self.transport
+        if self.closing or transport is None:
+            return
+        if not transport.can_write_eof():
+            self.close()
+            return
+        self.closing = True
+        transport.write_eof()
+        self.lingering = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        if self.reading_paused:  # (paused by back-pressure: unread bytes are what would reset it)
+            self.reading_paused = False
+            transport.resume_reading()
 
     # -- lifecycle
     def _pause_reading(self) -> None:

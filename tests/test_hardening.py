@@ -459,3 +459,27 @@ async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goe
     assert got[1].request_id == 8 and not isinstance(got[1].msg, ErrorReply)  # and PING still answered
     assert srv.stop() == 0
     assert not [line for line in srv.log if '"error"' in line or "Traceback" in line]
+
+
+def test_a_client_still_sending_when_its_frame_is_refused_reads_the_answer(make_server) -> None:
+    """The server answered a frame over its limit and closed with the client's bytes unread, so the
+    kernel reset the connection: a client still sending got the reset, and the answer could be lost
+    with it (a CI run saw "connection reset by peer" instead of the answer). It now half-closes after
+    the answer and drops what the peer still sends, up to LINGER_S, before closing."""
+    srv = make_server("--capacity", "8MiB", "--max-frame-size", "1MiB")
+    payload = memoryview(bytes(64 << 20))
+    head = bytes(encode(Put(keys=[key(0, "refused")], sizes=[len(payload)]), 1, [payload])[0])  # (not the payload)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(head + bytes(1 << 20))  # the head is refused on sight; the payload keeps coming
+        time.sleep(0.3)  # the server has answered and closed its side meanwhile
+        sock.sendall(bytes(1 << 20))  # (old server: reset here, or the answer gone)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    magic, _, op, _, meta_len, payload_len = HEADER.unpack_from(answer)
+    assert (magic, op, payload_len, len(answer)) == (MAGIC, 0xFF, 0, HEADER.size + meta_len), answer[:64]
+    meta = msgpack.unpackb(answer[HEADER.size:])  # one error reply, then the server's FIN
+    assert "over the limit" in meta["message"], meta
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:  # and it keeps serving
+        sock.sendall(b"".join(bytes(b) for b in encode(Ping(), 1)))
+        assert sock.recv(HEADER.size)[:2] == MAGIC
