@@ -262,7 +262,7 @@ class Connection(asyncio.BufferedProtocol):
     # -- output
     def _write(self, buffers: list[Any], refs: list[BlockRef] | None = None) -> None:
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self.lingering is not None:  # (no answer goes out)
             if refs:
                 self.service.release(refs)
             return

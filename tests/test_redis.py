@@ -799,3 +799,37 @@ async def test_the_first_reads_of_a_namespace_after_a_start_stay_within_the_byte
         assert peak <= MAX_INFLIGHT_BYTES, peak >> 20
     finally:
         await tier.close()
+
+
+async def test_a_read_through_answered_after_its_connection_was_refused_leaves_no_pin(redis_server: RedisProcess,
+                                                                                     make_server) -> None:
+    """A GET waiting on Redis, then bytes that are no frame: the connection answered the bad frame,
+    half-closed and went on reading (to drop them); the GET's answer came next and raised
+    "writelines() after write_eof()", and the pin it held on its in-memory block stayed for good."""
+    import socket
+
+    from kvstore.protocol import Get, Hello, encode
+
+    (tiered,), _ = await written_to_redis(make_server, redis_server, "late-answer", 1)
+    link = SlowLink(redis_server.port, 8e3)  # 8 KB/s: the 4 KiB block takes about half a second
+    try:
+        srv = make_server("--capacity", MEM, "--redis", f"redis://127.0.0.1:{link.port}", "--redis-timeout", "10")
+        in_memory = chain(1, "in-memory")[0]
+        async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+            await kv.put([in_memory], [b"m" * 4096])
+            frames = b"".join(bytes(b) for m, rid in ((Hello(namespace=NS), 1), (Get(keys=[in_memory, tiered]), 2))
+                              for b in encode(m, rid))
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+                sock.sendall(frames + b"not a frame at all")
+                while sock.recv(65536):  # the HELLO's answer, the bad frame's, then the server's FIN
+                    pass
+                await asyncio.sleep(0.8)  # the GET's answer comes meanwhile (the connection lingers 1 s)
+
+            async def unpinned() -> bool:
+                return (await kv.stats())["store"]["pinned_blocks"] == 0
+            await eventually(unpinned, 10, "the GET's pin to go")
+            assert await kv.delete([in_memory, tiered]) == 2  # (the read-through promoted the tiered one)
+            assert (await kv.stats())["store"]["used_bytes"] == 0  # (the pinned block's page stayed taken)
+        assert not log_count(srv, "Traceback") and not log_count(srv, "never retrieved")
+    finally:
+        link.stop()
