@@ -438,8 +438,8 @@ class AsyncKVClient:
     Args:
         addr: ``"host:port"``, ``"unix:/path/to.sock"`` (same host), or a list of them.
         namespace: the namespace every operation works in.
-        token: shared secret, when the server requires one; surrounding whitespace (the newline of
-            a file read whole) is dropped, as the server drops it from its token file.
+        token: shared secret, when the server requires one; trailing whitespace (the newline of a
+            file read whole) is dropped, as the server drops it from its token file's lines.
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
         pool_size: connections per server.
         timeout: seconds a request may take before ``RequestTimeout`` (None: no limit; bad
@@ -486,7 +486,8 @@ class AsyncKVClient:
         self.namespace = namespace
         if token is not None and not isinstance(token, str):
             raise InvalidRequest(f"token must be a string, got {type(token).__name__}")
-        self.token = token.strip() if token is not None else None
+        # (not the leading: in the server's "GLOB: TOKEN" lines the space is part of the token)
+        self.token = token.rstrip() if token is not None else None
         self.tls = _ssl_context(tls)
         self.server_hostname = server_hostname
         if type(pool_size) is not int or pool_size < 1:

@@ -71,6 +71,9 @@ async def test_right_token_works_wrong_or_missing_is_refused(make_server, token_
     # a token read from a file whole keeps its newline: dropped, as the server drops it from its file
     async with AsyncKVClient(srv.addr, token=f"{TOKEN}\n", namespace="any") as kv:
         assert [bytes(b) for b in await kv.get([b"k1"])] == [b"value"]
+    with pytest.raises(Unauthorized):  # a leading space is the token's own (see the next test)
+        async with AsyncKVClient(srv.addr, token=f" {TOKEN}", retries=0):
+            pass
     with pytest.raises(InvalidRequest, match="token must be a string"):
         AsyncKVClient(srv.addr, token=TOKEN.encode())  # type: ignore[arg-type]
     log = "".join(srv.log)
@@ -335,6 +338,21 @@ def test_the_cli_takes_its_namespaces_token_from_a_server_token_file(make_server
     own = tmp_path / "own"
     own.write_text("tok:with:colons\n")  # a client file whose token has colons reads whole
     assert read_token_file(own, "default") == "tok:with:colons"
+
+
+async def test_a_token_written_after_its_glob_and_a_space_is_used_with_its_space(make_server, tmp_path: Path) -> None:
+    """The server takes all of a `GLOB: TOKEN` line after the colon, space included; a client that
+    dropped the token's surrounding whitespace (to forgive a newline) was refused with that file."""
+    path = tmp_path / "tokens"
+    path.write_text(f"team/*: {NS_TOKEN}\n")
+    srv = make_server("--capacity", "8MiB", "--token-file", str(path))
+    token = read_token_file(path, "team/a")
+    assert token == f" {NS_TOKEN}"
+    async with AsyncKVClient(srv.addr, token=token, namespace="team/a") as kv:
+        await kv.put([b"k"], [b"v"])
+    r = subprocess.run([str(Path(sys.executable).parent / "kvstore-cli"), "--addr", srv.addr, "--token-file", str(path),
+                        "-n", "team/a", "stats"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
 
 
 def test_the_cli_says_when_a_server_token_file_has_no_entry_for_its_namespace(make_server, tmp_path: Path) -> None:
