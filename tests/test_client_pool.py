@@ -231,34 +231,6 @@ async def test_calls_use_the_connections_that_opened_when_others_are_refused(mak
         assert await other.ping() >= 0
 
 
-async def test_connect_names_every_server_that_failed(make_server: MakeServer, tmp_path: Path) -> None:
-    """(it raised the first failure it met: with three servers down, the user learnt of one)"""
-    dead = []
-    for _ in range(2):
-        with socket.socket() as s:  # a loopback port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            dead.append(f"127.0.0.1:{s.getsockname()[1]}")
-    tokens = tmp_path / "tokens"
-    tokens.write_text("a-token-this-client-lacks\n")
-    live, strict = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--token-file", str(tokens))
-    for addrs, kind, named in (([live.addr, *dead], TransportError, dead), ([strict.addr, dead[0]], Unauthorized,
-                                                                            [strict.addr, dead[0]])):
-        kv = AsyncKVClient(addrs, retries=0)
-        try:
-            with pytest.raises(kind) as caught:
-                await kv.connect()
-            assert str(caught.value).startswith(f"{len(named)} of {len(addrs)} servers failed: ")
-            assert all(addr in str(caught.value) for addr in named) and live.addr not in str(caught.value)
-        finally:
-            await kv.close()
-    kv = AsyncKVClient([live.addr, dead[0]], retries=0)  # one failed: its own error, as before
-    try:
-        with pytest.raises(TransportError, match=f"^cannot connect to {dead[0]}"):
-            await kv.connect()
-    finally:
-        await kv.close()
-
-
 async def test_a_put_over_servers_one_of_which_refuses_its_share_tells_what_the_other_stored(
         make_server: MakeServer, tmp_path: Path) -> None:
     """A share refused whole (here by a server that wants a token this client lacks) fails its keys;
