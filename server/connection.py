@@ -389,12 +389,16 @@ class Connection(asyncio.BufferedProtocol):
         draining waited for: its peer is not reading, and its blocks stay pinned
         until it is sent.
         """
-        if self.closing or self.transport is None:
+        if self.transport is None:
             return
         unsent = self.unsent_bytes()
         if unsent != self._unsent_seen:  # the peer is reading (or nothing is owed)
             self._unsent_since = now
         self._unsent_seen = unsent
+        if self.closing:  # closed once its output is flushed: a peer that stopped reading would hold
+            if frame_timeout and unsent and now - self._unsent_since > frame_timeout:  # it (and pins) for good
+                self._time_out("reply", frame_timeout)
+            return
         waiting_on_us = self.output_pending or bool(self.tasks) or self.reading_paused
         received, events = self.received, self.events
         if waiting_on_us or received != self._seen[0]:

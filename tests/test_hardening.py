@@ -276,6 +276,27 @@ async def test_a_client_that_stops_reading_its_reply_is_dropped_and_its_pins_rel
         assert (await kv.stats())["store"]["pinned_blocks"] == 0
 
 
+async def test_a_client_that_stops_reading_then_sends_a_bad_frame_is_dropped_all_the_same(make_server) -> None:
+    """The bad frame made the connection 'closing', and a closing connection was skipped by the
+    timeouts while its close waited for the reply to flush: it held its slot and the reply's pins
+    for as long as the peer kept the socket open. The reply timeout now ends it too."""
+    srv = make_server("--capacity", "64MiB", "--frame-timeout", "2", "--idle-timeout", "300")
+    keys = [key(i, "stall-then-garbage") for i in range(6)]
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put(keys, [bytes(4 << 20)] * 6)
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        stalled.connect(("127.0.0.1", srv.port))
+        with stalled:
+            stalled.sendall(b"".join(bytes(b) for b in encode(Get(keys=keys), 1)) + b"not a frame at all")
+            deadline = time.monotonic() + 20
+            while (await kv.stats())["timeouts"]["reply"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            stats = await kv.stats()
+            assert stats["timeouts"]["reply"] == 1 and stats["connections"] == 1  # (ours)
+            assert stats["store"]["pinned_blocks"] == 0
+
+
 def read_frame(sock: socket.socket) -> int:
     """Read one whole reply frame; its payload length."""
     def exactly(n: int) -> None:
