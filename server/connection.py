@@ -74,6 +74,7 @@ class Connection(asyncio.BufferedProtocol):
         self.reading_paused = False
         self.closing = False
         self.lingering: asyncio.TimerHandle | None = None  # answered a refused frame: dropping input until then
+        self.timed_out = False  # closed by a timeout (counted once)
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests waiting on a backing tier
         self.idle = asyncio.Event()
@@ -307,7 +308,7 @@ class Connection(asyncio.BufferedProtocol):
         connection when the peer closes or after :data:`LINGER_S`, its bytes read and dropped
         meanwhile. (A TLS transport cannot half-close: it closes at once, as before.)"""
         transport = self.transport
-        if self.closing or transport is None:
+        if self.closing or transport is None or transport.is_closing():  # (e.g. aborted by a failed fd send)
             return
         if not transport.can_write_eof():
             self.close()
@@ -397,7 +398,10 @@ class Connection(asyncio.BufferedProtocol):
         self._unsent_seen = unsent
         if self.closing:  # closed once its output is flushed: a peer that stopped reading would hold
             if frame_timeout and unsent and now - self._unsent_since > frame_timeout:  # it (and pins) for good
-                self._time_out("reply", frame_timeout)
+                if self.timed_out:  # (a TLS idle close waits behind the stuck bytes: one timeout, not two)
+                    self.transport.abort()
+                else:
+                    self._time_out("reply", frame_timeout)
             return
         waiting_on_us = self.output_pending or bool(self.tasks) or self.reading_paused
         received, events = self.received, self.events
@@ -417,6 +421,7 @@ class Connection(asyncio.BufferedProtocol):
             self._time_out("idle", idle_timeout)
 
     def _time_out(self, kind: str, seconds: float) -> None:
+        self.timed_out = True
         self.service.counters.timeouts[kind] += 1
         log.info("closing connection from %s: %s timeout (%gs)", self.session.peer, kind, seconds,
                  extra={"event": f"{kind}_timeout", "peer": self.session.peer})

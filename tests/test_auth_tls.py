@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import signal
 import socket
@@ -424,3 +425,27 @@ def test_a_long_tokenless_ping_outlasts_the_auth_deadline(make_server, token_fil
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.count("PONG") == 15, r.stderr  # 3 s: over a new connection after 1-1.25 s
     assert any("auth_timeout" in line for line in srv.log)
+
+
+async def test_a_tls_peer_that_stops_reading_is_timed_out_once(make_server, tls_files: dict[str, Path]) -> None:
+    """Over TLS the reply leaves the transport at once, so the connection looked idle and was closed
+    for it; that close waited behind the stuck bytes until the reply timeout ended it too: one peer,
+    two timeouts counted and logged."""
+    srv = make_server("--capacity", "16MiB", "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]),
+                      "--idle-timeout", "1", "--frame-timeout", "2")
+    big = hashlib.sha256(b"big").digest()
+    async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), namespace="default") as kv:
+        await kv.put([big], [bytes(4 << 20)])
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", srv.port))
+        with ssl.create_default_context(cafile=str(tls_files["ca"])).wrap_socket(raw, server_hostname="localhost") as s:
+            s.sendall(frames(Hello(namespace="default")))
+            s.recv(65536)
+            s.sendall(b"".join(bytes(b) for b in encode(Get(keys=[big]), 2)))  # ... and never read
+            deadline = time.monotonic() + 20
+            while (await kv.stats())["connections"] > 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            stats = await kv.stats()
+        assert stats["connections"] == 1  # it was ended (ours is left)
+        assert sum(stats["timeouts"].values()) == 1, stats["timeouts"]
