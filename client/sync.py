@@ -8,6 +8,7 @@ one background event-loop thread shared by all blocking clients of the process
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 import weakref
@@ -163,6 +164,10 @@ class KVClient:
 
     def ping(self) -> float:
         return self._runner.run(self._aio.ping())
+
+
+# help(KVClient) and signature-reading tools show AsyncKVClient's parameters, which **kwargs passes on.
+KVClient.__init__.__signature__ = inspect.signature(AsyncKVClient.__init__)  # type: ignore[attr-defined]
 
 
 def _close_abandoned(runner: _LoopThread, aio: AsyncKVClient) -> None:

@@ -225,6 +225,16 @@ def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict
         AsyncKVClient("127.0.0.1:7600", **setting)  # type: ignore[arg-type]
 
 
+def test_the_blocking_client_shows_the_async_clients_parameters() -> None:
+    """KVClient(addr, **kwargs) showed help() no parameter at all; a misspelt one still fails at once."""
+    import inspect
+
+    assert inspect.signature(KVClient) == inspect.signature(AsyncKVClient)
+    assert "pool_size" in inspect.signature(KVClient).parameters
+    with pytest.raises(TypeError, match="pool_sise"):
+        KVClient("127.0.0.1:7600", pool_sise=2)
+
+
 @pytest.mark.parametrize("addr", ["http://127.0.0.1:7600", "redis://127.0.0.1:7600", "127.0.0.1", "h:0"])
 def test_an_address_that_is_not_host_port_is_an_invalid_request(addr: str) -> None:
     """(a URL was taken for a host named "http://127.0.0.1" and failed at the resolver, a TransportError)"""
