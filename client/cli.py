@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
-from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unauthorized
+from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unauthorized
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
 
@@ -457,6 +457,8 @@ def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
         return f"refused by the server: {exc} (check --token-file / KVSTORE_TOKEN_FILE)"
     if isinstance(exc, TransportError):
         return f"{exc}"
+    if isinstance(exc, ProtocolError) and "not a kvstore frame" in str(exc) and args is not None:
+        return f"{args.addr} does not answer in kvstore's protocol ({exc}): another service, such as the metrics port?"
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -343,3 +343,27 @@ def test_an_option_is_never_taken_for_a_longer_one_it_begins() -> None:
     for r, prog in ((cli("ping", "--token", "s3cret"), "kvstore-cli ping"), (server_run("--token", "s3cret"), "kvstore-server")):
         assert r.returncode == 2
         assert r.stderr.splitlines()[-1] == f"{prog}: error: unrecognized arguments: --token s3cret"
+
+
+def test_pointed_at_an_http_service_the_cli_says_it_is_not_a_kvstore_server() -> None:
+    """`ping` at the metrics port printed "ProtocolError: bad magic b'HT': not a kvstore frame"."""
+    import socketserver
+    import threading
+
+    class Http400(socketserver.BaseRequestHandler):
+        def handle(self) -> None:  # what an HTTP server says to bytes that are no request
+            self.request.recv(65536)
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    httpd = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Http400)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        addr = f"127.0.0.1:{httpd.server_address[1]}"
+        r = cli("--addr", addr, "ping")
+        assert r.returncode == 1
+        assert error_line(r, "kvstore-cli") == (f"kvstore-cli: {addr} does not answer in kvstore's protocol (bad magic "
+                                                "b'HT': not a kvstore frame): another service, such as the metrics port?")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
