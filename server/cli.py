@@ -77,6 +77,15 @@ def _count(text: str) -> int:
     return parse_number(text, int, lambda v: v >= 0, "a whole number >= 0")
 
 
+#: The longest --redis-ttl (68 years). Redis refuses every ``SET ... EX`` whose expiry overflows its
+#: clock in milliseconds, as it refuses a negative one: every PUT would fail while the tier looks up.
+MAX_TTL = 2**31 - 1
+
+
+def _ttl(text: str) -> int:
+    return parse_number(text, int, lambda v: 0 <= v <= MAX_TTL, f"a whole number of seconds 0-{MAX_TTL} (0 = never)")
+
+
 def _positive_count(text: str) -> int:
     return parse_number(text, int, lambda v: v > 0, "a whole number > 0")
 
@@ -140,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--redis-mode", str, d.redis_mode, "acknowledge puts after Redis has them, or after memory",
         choices=["write-through", "write-behind"])
     add("--redis-queue-bytes", _size, d.redis_queue_bytes, "write-behind queue bound (puts wait while full)")
-    # a negative TTL would make Redis refuse every SET ... EX, so every PUT would fail
-    add("--redis-ttl", _count, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
+    add("--redis-ttl", _ttl, d.redis_ttl, "seconds until a block stored in Redis expires (0 = never)")
     add("--redis-timeout", _timeout, d.redis_timeout, "Redis socket timeout in seconds")
     # operations and hardening (docs/operations.md)
     add("--metrics-port", _optional_port, d.metrics_port,

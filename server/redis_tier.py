@@ -40,7 +40,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import xxhash
 from redis.asyncio import Redis
@@ -184,6 +184,15 @@ def _masked(message: str, url: str) -> str:
     return message
 
 
+def _check_db(url: str) -> None:
+    """A ``redis://`` URL's path must be a database number: redis-py ignores any other
+    (``/db3`` would write to database 0, perhaps another application's)."""
+    parts = urlsplit(url)
+    db = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+        raise ValueError("its path is not a database number (redis://host:port/3 for database 3)")
+
+
 def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
     """``"h1:p1,h2:p2"`` -> ``[("h1", p1), ("h2", p2)]``; raises ``ValueError``."""
     nodes = []
@@ -193,6 +202,8 @@ def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
         host, sep, port = item.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"--redis-cluster wants host:port[,host:port...], got {item!r}")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"--redis-cluster: port {port} of {item!r} is not in 1-65535")
         nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
     if not nodes:
         raise ValueError("--redis-cluster names no node")
@@ -554,6 +565,7 @@ class RedisTier(Tier):
                 client = Redis.from_url(config.redis, max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS, **timeouts)
                 pool = client.connection_pool  # an option Redis lacks (?foo=1) fails here, not at the first request
                 pool.connection_class(**pool.connection_kwargs)  # (builds a connection object; connects nothing)
+                _check_db(config.redis)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {_masked(str(exc), config.redis)}") from None
             target = redact(config.redis)

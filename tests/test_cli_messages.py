@@ -170,6 +170,15 @@ def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> N
     assert r.returncode == 2
     assert error_line(r, "kvstore-server") == \
         "kvstore-server: --redis-mode write-behind needs a Redis tier (--redis or --redis-cluster)"
+    # redis-py ignores a path that is not a number: the tier wrote to database 0
+    r = server_run("--redis", "redis://127.0.0.1:1/db3")
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == ("kvstore-server: bad --redis URL 'redis://127.0.0.1:1/db3': its path "
+                                               "is not a database number (redis://host:port/3 for database 3)")
+    r = server_run("--redis-cluster", "127.0.0.1:7000,127.0.0.1:70000")  # (started, degraded for good)
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == \
+        "kvstore-server: --redis-cluster: port 70000 of '127.0.0.1:70000' is not in 1-65535"
     redis = RedisProcess(tmp_path / "redis").start()
     try:
         r = server_run("--redis", f"redis://{redis.addr}/99")
@@ -206,7 +215,9 @@ def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Pat
     ("--capacity", "0", "a size > 0"),
     ("--max-frame-size", "0", "a size > 0"),
     ("--max-block", "0", "a size > 0"),
-    ("--redis-ttl", "1.5", "a whole number >= 0"),
+    ("--redis-ttl", "1.5", "a whole number of seconds 0-2147483647 (0 = never)"),
+    # (past Redis's clock: started, then every PUT failed while the tier said "ok")
+    ("--redis-ttl", "10000000000000000", "a whole number of seconds 0-2147483647 (0 = never)"),
     ("--busy-poll-us", "fast", "microseconds 0-10000 (0 = off)"),
     ("--idle-timeout", "5m", "a number of seconds >= 0"),
     ("--lease-seconds", "x", "a number of seconds > 0"),
