@@ -384,7 +384,10 @@ class Connection(asyncio.BufferedProtocol):
         tokenless peers in every connection slot.
 
         A connection waiting on *us* -- a reply still draining, a tier call,
-        reading paused by back-pressure -- is neither idle nor stalled. A
+        reading paused by back-pressure -- is neither idle nor stalled. Nor is
+        one whose client holds shared-memory slots of a put: closing it would
+        free them while that client, only slow, may still be writing into them
+        (over the next owner's blocks). A
         slowloris that trickles bytes is not idle, but its frame never
         completes, so the frame timeout drops it. Nor is a reply that stopped
         draining waited for: its peer is not reading, and its blocks stay pinned
@@ -404,6 +407,7 @@ class Connection(asyncio.BufferedProtocol):
                     self._time_out("reply", frame_timeout)
             return
         waiting_on_us = self.output_pending or bool(self.tasks) or self.reading_paused
+        mid_put = self.service.shm.writing(self.session)
         received, events = self.received, self.events
         if waiting_on_us or received != self._seen[0]:
             self._last_rx_at = now
@@ -411,7 +415,9 @@ class Connection(asyncio.BufferedProtocol):
             self._frame_since = now
         self._seen = (received, events)
         self._first_check = self._first_check or now
-        if frame_timeout and now - self._frame_since > frame_timeout:
+        if mid_put:
+            self._last_rx_at = self._frame_since = self._unsent_since = now
+        elif frame_timeout and now - self._frame_since > frame_timeout:
             self._time_out("frame", frame_timeout)
         elif frame_timeout and unsent and now - self._unsent_since > frame_timeout:
             self._time_out("reply", frame_timeout)  # the peer stopped reading; its reply's blocks stay pinned

@@ -441,6 +441,11 @@ class ShmService:
                 self.counters["aborted_on_close"] += 1
             self._undo(grant)
 
+    def writing(self, session: Session) -> bool:
+        """A client holds reserved slots on this connection: it may be copying into them now."""
+        st: ShmSession | None = session.shm
+        return st is not None and any(isinstance(g, _PutGrant) for g in st.grants.values())
+
     def busy(self, session: Session) -> bool:
         """A client is mid-copy on this connection (a drain waits for it)."""
         st: ShmSession | None = session.shm

@@ -17,11 +17,12 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
 from kvstore.config import ServerConfig
-from kvstore.protocol import Frame, FrameReader, Hello, Message, ShmAttach, ShmGet, ShmPut, encode
+from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
 from kvstore.server.service import Session
 
@@ -406,6 +407,32 @@ async def test_client_killed_mid_put_leaves_no_block(make_server: MakeServer, un
         child.wait(10)
         if child.stdout is not None:
             child.stdout.close()
+
+
+async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_timeout(
+        make_server: MakeServer, unix_path: str) -> None:
+    """Closing the connection would free the slots while the client, only slow (paused, in a
+    debugger), may still write into them: over the blocks of whoever got those pages next."""
+    srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--idle-timeout", "1")
+    size = 1 << 20
+    keys = [key(i, "slow") for i in range(2)]
+    async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv, \
+            AsyncKVClient(srv.addr, namespace="other", shm=False) as other:
+        node = kv.nodes[0]
+        assert node.shm is not None
+        conn = await node.connection()
+        resp = await conn.request(ShmPut(keys=keys, sizes=[size] * 2))
+        await asyncio.sleep(3)  # three idle-timeout checks with nothing sent
+        assert not conn.closed
+        others = [key(i, "other") for i in range(2)]  # the rest of the store
+        assert (await other.put(others, [data(k, size) for k in others])).stored == 2
+        for loc, k in zip(resp.fields["locs"], keys):  # the slow client writes at last
+            node.shm.segment.views(loc)[0][:] = data(k, size)
+        done = await conn.request(ShmCommit(handle=resp.fields["handle"],
+                                            checksums=[xxhash.xxh3_64_intdigest(data(k, size)) for k in keys]))
+        assert done.fields["status"] == [STORED] * 2
+        assert [bytes(b) for b in await kv.get(keys)] == [data(k, size) for k in keys]
+        assert [bytes(b) for b in await other.get(others)] == [data(k, size) for k in others]
 
 
 # ---------------------------------------------------------------- who may map the arena
