@@ -241,6 +241,31 @@ def test_flush_on_reset(make_engine: Callable[..., Engine], kvstore_server: Serv
     assert kv.exists([chunk_key(req, 0)]) == [False]
 
 
+def test_flush_on_reset_also_drops_a_store_the_reset_caught_in_flight(make_engine: Callable[..., Engine],
+                                                                      kvstore_server: ServerProcess) -> None:
+    """vLLM submits a finished request's store a step late: a reset right after it (a weight
+    update) caught it queued, and it wrote KV of the old weights after the flush."""
+    engine = make_engine(kvstore_server.addr, kvstore_flush_on_reset=True)
+    prompt = list(range(900, 924))
+    req = engine.new_request(prompt)
+    engine.step(EOS_TOKEN_ID, like_vllm=True)  # prefill and EOS: finished, its store still queued
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace)
+    keys = [chunk_key(req, c) for c in range(2)]
+    assert kv.exists(keys) == [False, False]
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    for _ in range(3):
+        engine.step(None, like_vllm=True)
+        engine.worker.wait_all()
+    assert kv.exists(keys) == [False, False]
+
+    # Once the reset is through, lookups find what is stored after it.
+    engine.new_request(prompt)
+    assert engine.run([EOS_TOKEN_ID]).stored
+    assert engine.scheduler.reset_prefix_cache()
+    engine.new_request(prompt)
+    assert engine.run([0, EOS_TOKEN_ID]).loaded
+
+
 # --------------------------------------------------------------------------- failures
 
 

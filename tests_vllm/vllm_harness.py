@@ -239,8 +239,12 @@ class Engine:
             self.step(None)
         raise AssertionError("the engine did not drain")
 
-    def step(self, token_id: int | None) -> SchedulerOutput:
-        """One engine step: schedule, transfers, a sampled ``token_id`` for every running request."""
+    def step(self, token_id: int | None, like_vllm: bool = False) -> SchedulerOutput:
+        """One engine step: schedule, transfers, a sampled ``token_id`` for every running request.
+
+        ``like_vllm``: call ``wait_for_save`` in every step and wait for no transfer, as vLLM's model
+        runner does; the default waits for every transfer, so that tests see each step's outcome.
+        """
         out = self.scheduler.schedule()
         self._index_gpu_blocks()
         meta = out.kv_connector_metadata
@@ -249,9 +253,10 @@ class Engine:
         wc.handle_preemptions(meta)
         wc.bind_connector_metadata(meta)
         wc.start_load_kv(None)  # type: ignore[arg-type]  # the connector does not use the forward context
-        if out.total_num_scheduled_tokens > 0:
+        if out.total_num_scheduled_tokens > 0 or like_vllm:
             wc.wait_for_save()
-        self.worker.wait_all()  # deterministic: every transfer submitted so far is done
+        if not like_vllm:
+            self.worker.wait_all()  # deterministic: every transfer submitted so far is done
         finished_sending, finished_recving = wc.get_finished(out.finished_req_ids)
         worker_meta = wc.build_connector_worker_meta()
         wc.clear_connector_metadata()

@@ -430,6 +430,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._windowed = frozenset(self._windows)
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
+        self._resetting = False  # flushed on reset; jobs in flight then may still write (on_reset_flushed)
         self._remote_decode_dedup = remote_decode_dedup
         self._remote_prefill_wait_s = remote_prefill_wait_s
         self._known: dict[bytes, LookupResult] = {}  # this step's answers
@@ -490,6 +491,8 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     # -- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._resetting:  # (what the server has may be KV from before the reset)
+            return LookupResult.MISS
         wait = req_context.get_state(_PrefillWait)
         if wait is not None and not wait.over:
             return self._lookup_waiting(key, req_context, wait)
@@ -717,14 +720,29 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     # -- lifecycle
     def reset_cache(self) -> None:
+        """Forget this step's answers; with ``flush_on_reset``, empty the namespace now and again
+        in :meth:`on_reset_flushed`: a store job the reset caught in flight (vLLM submits stores a
+        step late) still writes KV computed before the reset, after the first flush. Until then
+        every lookup misses."""
         self._known.clear()
         self._release_step_pins()
         self._storing.clear()  # vLLM drops the jobs in flight: no complete_store will come
         if self._flush_on_reset:
-            try:
-                self._client.flush()
-            except KVStoreError as exc:
-                logger.warning("kvstore: could not flush namespace %s: %s", self._client.namespace, exc)
+            self._resetting = True
+            self._flush()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM: every job in flight at the last reset has been reported; none writes any more."""
+        if self._resetting:
+            self._resetting = False
+            self._known.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            self._client.flush()
+        except KVStoreError as exc:
+            logger.warning("kvstore: could not flush namespace %s: %s", self._client.namespace, exc)
 
     def shutdown(self) -> None:
         self._release_step_pins()
