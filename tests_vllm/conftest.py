@@ -69,11 +69,13 @@ def make_engine(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Cal
 
     def make(addr: str, *, async_scheduling: bool = False, namespace: str | None = None,
              offloaded_block_size: int = 12, gpu_block_size: int = 4, num_gpu_blocks: int = 100,
-             sliding_window: int | None = None, hybrid: bool = False, **extra: Any) -> Engine:
+             sliding_window: int | None = None, hybrid: bool = False, load_failure_policy: str | None = None,
+             **extra: Any) -> Engine:
         ns = namespace or f"test/{request.node.name}"
         engine = Engine(model_dir, kvstore_extra_config(addr, ns, offloaded_block_size, **extra),
                         gpu_block_size=gpu_block_size, num_gpu_blocks=num_gpu_blocks,
-                        async_scheduling=async_scheduling, sliding_window=sliding_window, hybrid=hybrid)
+                        async_scheduling=async_scheduling, sliding_window=sliding_window, hybrid=hybrid,
+                        load_failure_policy=load_failure_policy)
         engines.append(engine)
         return engine
 

@@ -43,7 +43,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvstore.integrations.vllm import KVStoreLoadStoreSpec, KVStoreOffloadingManager, KVStoreOffloadingWorker
+from kvstore.integrations.vllm import KVStoreConnector, KVStoreLoadStoreSpec, KVStoreOffloadingManager, KVStoreOffloadingWorker
 
 EOS_TOKEN_ID = 2  # OPT's
 NUM_LAYERS = 2
@@ -129,11 +129,14 @@ class Engine:
         async_scheduling: ``AsyncScheduler`` instead of ``Scheduler``.
         sliding_window: tokens of a sliding-window attention group instead of full attention.
         hybrid: two groups, layer 0 full attention and layer 1 a sliding window of 8 tokens.
+        load_failure_policy: with a policy (``"recompute"`` or ``"fail"``), kvstore's
+            ``KVStoreConnector`` under vLLM's ``kv_load_failure_policy``; without, vLLM's
+            ``OffloadingConnector``.
     """
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, gpu_block_size: int = 4,
                  num_gpu_blocks: int = 100, async_scheduling: bool = False, sliding_window: int | None = None,
-                 hybrid: bool = False) -> None:
+                 hybrid: bool = False, load_failure_policy: str | None = None) -> None:
         self.async_scheduling = async_scheduling
         self.gpu_block_size = gpu_block_size
         model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
@@ -145,7 +148,11 @@ class Engine:
                                              async_scheduling=async_scheduling),
             cache_config=CacheConfig(block_size=gpu_block_size, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                kv_connector_extra_config=extra_config),
+                                                kv_connector_extra_config=extra_config)
+            if load_failure_policy is None else
+            KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                             kv_role="kv_both", kv_connector_extra_config=extra_config,
+                             kv_load_failure_policy=load_failure_policy),  # type: ignore[arg-type]
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -165,7 +172,8 @@ class Engine:
                                            log_stats=True,
                                            structured_output_manager=StructuredOutputManager(self.vllm_config),
                                            block_size=gpu_block_size)
-            self.worker_connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            connector_cls = OffloadingConnector if load_failure_policy is None else KVStoreConnector
+            self.worker_connector = connector_cls(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             # The "GPU" KV cache: [num_blocks, K/V, block_size, heads, head_size] per layer, random.
             gen = torch.Generator().manual_seed(1234)
             self.kv_caches = {
@@ -257,7 +265,8 @@ class Engine:
             wc.wait_for_save()
         if not like_vllm:
             self.worker.wait_all()  # deterministic: every transfer submitted so far is done
-        finished_sending, finished_recving = wc.get_finished(out.finished_req_ids)
+        results = wc.get_transfer_results(out.finished_req_ids)  # (as vLLM's model runner asks)
+        invalid_block_ids = wc.get_block_ids_with_load_errors()
         worker_meta = wc.build_connector_worker_meta()
         wc.clear_connector_metadata()
 
@@ -266,8 +275,10 @@ class Engine:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[[token_id if token_id is not None else 0] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=finished_sending,
-                                                  finished_recving=finished_recving,
+            kv_connector_output=KVConnectorOutput(finished_sending=results.finished_sending,
+                                                  finished_recving=results.finished_recving,
+                                                  failed_recving=results.failed_recving,
+                                                  invalid_block_ids=invalid_block_ids,
                                                   kv_connector_worker_meta=worker_meta),
         )
         if self.async_scheduling:  # outputs arrive one step late

@@ -2,8 +2,9 @@
 
 Start vLLM with (``docs/vllm.md`` has the details)::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both", "kv_connector_extra_config": {
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_load_failure_policy": "recompute", "kv_role": "kv_both", "kv_connector_extra_config": {
             "spec_name": "KVStoreOffloadingSpec",
             "spec_module_path": "kvstore.integrations.vllm",
             "block_size": 64, "kvstore_addr": "127.0.0.1:7600"}}'
@@ -17,6 +18,9 @@ vLLM's ``OffloadingSpecFactory`` imports this module and builds
 - Worker side, :class:`KVStoreOffloadingWorker`: moves the KV bytes of GPU
   blocks to and from the server (gather/scatter by
   :class:`kvstore.engine.transfer.PagedKVTransfer`), on background threads.
+
+:class:`KVStoreConnector` is vLLM's connector with a failed load recomputed
+rather than fatal (``"kv_connector": "OffloadingConnector"`` works too).
 
 Keys. vLLM names an offloaded chunk (``blocks_per_chunk`` GPU blocks of one
 KV-cache group) by an ``OffloadKey``: the block hash of its last GPU block plus
@@ -42,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -67,6 +72,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
     get_offload_group_idx,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
 from kvstore.client import KVClient
@@ -75,6 +82,7 @@ from kvstore.engine.transfer import PagedKVTransfer
 from kvstore.errors import KVStoreError
 
 __all__ = [
+    "KVStoreConnector",
     "KVStoreLoadStoreSpec",
     "KVStoreOffloadingManager",
     "KVStoreOffloadingSpec",
@@ -163,7 +171,7 @@ class KVStoreSettings:
             times out (or cannot connect), that server is not asked for this long (doubled
             while it stays silent, up to 8x): its lookups miss at once. 0: every request
             tries. The workers' stores too are skipped for that long after one timed out;
-            their loads always try (a load that fails stops vLLM).
+            their loads always try (a load that fails stops vLLM unless through :class:`KVStoreConnector`).
         switch_interval_ms: ``kvstore_switch_interval_ms``: set Python's thread switch
             interval (``sys.setswitchinterval``, 5 ms by default) in the processes that load the
             spec. A client call hands over between the caller's thread and the client's
@@ -830,8 +838,10 @@ class KVStoreOffloadingWorker(OffloadingWorker):
 
     A store that the server refuses (full, unreachable) is logged and reported
     done: the chunks simply stay uncached. A load that cannot get every block
-    is reported failed -- vLLM 0.33 treats that as fatal rather than compute on
-    garbage.
+    is reported failed -- vLLM 0.33's ``OffloadingConnector`` treats that as fatal
+    rather than compute on garbage -- unless :class:`KVStoreConnector` has set
+    ``report_failed_loads``: then it is reported done and its GPU blocks are kept
+    for :meth:`take_failed_loads`, which the connector tells vLLM's scheduler.
 
     Stores may go through a client of their own (``store_client``, the spec's
     gives up on a silent server for a while: the stores queued behind one that
@@ -860,6 +870,9 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self._expedited_buffers = _BufferPool()
         self._jobs: dict[int, Future[TransferResult]] = {}
         self.store_failures = 0  # stores the server refused (for tests and diagnostics)
+        self.report_failed_loads = False  # KVStoreConnector: failed loads are reported done, kept here
+        self._failed_loads: dict[int, list[int]] = {}  # job id -> its GPU block ids (written by load threads)
+        self._failed_lock = threading.Lock()
 
     # -- the OffloadingWorker API
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -882,6 +895,11 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         done = [job_id for job_id, fut in self._jobs.items() if fut.done()]
         return [self._jobs.pop(job_id).result() for job_id in done]
+
+    def take_failed_loads(self, job_ids: Collection[int]) -> dict[int, list[int]]:
+        """Of ``job_ids`` (reported done), the loads that failed: their GPU block ids, given once."""
+        with self._failed_lock:
+            return {j: self._failed_loads.pop(j) for j in job_ids if j in self._failed_loads}
 
     def wait(self, job_ids: set[int]) -> None:
         for job_id in job_ids:
@@ -998,16 +1016,83 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                     if not all(found):
                         logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
                                      found.count(False), len(found))
-                        return TransferResult(job_id=job_id, success=False)
+                        return self._failed_load(job_id, parts)
                     part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
                 finally:
                     pool.give(part.transfer, buffers)
                 nbytes += len(part.keys) * part.transfer.payload_size
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)
-            return TransferResult(job_id=job_id, success=False)
+            return self._failed_load(job_id, parts)
         return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                               transfer_time=time.perf_counter() - start)
+
+    def _failed_load(self, job_id: int, parts: list[_Part]) -> TransferResult:
+        if not self.report_failed_loads:
+            return TransferResult(job_id=job_id, success=False)
+        with self._failed_lock:  # (before the result is seen: the connector asks once it is)
+            self._failed_loads[job_id] = [b for part in parts for b in part.block_ids]
+        return TransferResult(job_id=job_id, success=True)
+
+
+# --------------------------------------------------------------------------- the connector
+
+
+class KVStoreConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector``, with a load that fails reported to the scheduler.
+
+    vLLM 0.33's connector stops the engine on a failed transfer. A store on the
+    network can fail a load the lookup promised: a memory-only server restarted
+    in between, a lease that ran out. With this connector
+    (``"kv_connector": "KVStoreConnector", "kv_connector_module_path":
+    "kvstore.integrations.vllm"``) such a request is recomputed under vLLM's
+    ``"kv_load_failure_policy": "recompute"``, or ends with an error under the
+    default ``"fail"``; the engine goes on. A request waiting for its load is
+    reported in ``failed_recving``; the GPU blocks of a load vLLM runs within
+    the step (expedited) in ``get_block_ids_with_load_errors``, which vLLM takes
+    only from models with one KV-cache group.
+
+    It reads which load job is whose from the worker's ``_load_jobs`` (vLLM 0.33).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._invalid_block_ids: set[int] = set()
+
+    def _kvstore_worker(self) -> KVStoreOffloadingWorker | None:
+        cw = self.connector_worker
+        worker = getattr(cw, "worker", None) if cw is not None else None
+        return worker if isinstance(worker, KVStoreOffloadingWorker) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = self._kvstore_worker()
+        if worker is not None:  # (before any load is submitted)
+            worker.report_failed_loads = True
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker, cw = self._kvstore_worker(), self.connector_worker
+        if worker is None or cw is None:
+            return super().get_transfer_results(finished_req_ids)
+        loads = dict(cw._load_jobs)  # job id -> request id (None: expedited), as vLLM 0.33 keeps them
+        sending, recving = self.get_finished(finished_req_ids)
+        done = {job: req for job, req in loads.items() if job not in cw._load_jobs}
+        failed: set[str] = set()
+        for job, block_ids in worker.take_failed_loads(done).items():
+            req = done[job]
+            logger.warning("kvstore: load job %d failed: %s", job,
+                           f"request {req} computes what it did not load" if req is not None else
+                           f"{len(block_ids)} GPU blocks reported to vLLM as not loaded")
+            if req is not None:
+                failed.add(req)
+            else:
+                self._invalid_block_ids.update(block_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        ids, self._invalid_block_ids = self._invalid_block_ids, set()
+        return ids
 
 
 # --------------------------------------------------------------------------- the spec
