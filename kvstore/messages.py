@@ -18,6 +18,7 @@ from .errors import InvalidRequest, TooLarge
 from .keys import check_key, check_keys
 
 VERSION = 1  # of the protocol: the header's version byte, and what HELLO announces
+MAX_NAMESPACE = 256  # characters
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,8 @@ class Hello(Message):
         _no_payload(self, payload_len)
         if type(self.version) is not int:
             raise InvalidRequest("version must be an integer")
-        if not isinstance(self.namespace, str) or not 1 <= len(self.namespace) <= 256:
-            raise InvalidRequest("namespace must be a string of 1..256 characters")
+        if not isinstance(self.namespace, str) or not 1 <= len(self.namespace) <= MAX_NAMESPACE:
+            raise InvalidRequest(f"namespace must be a string of 1..{MAX_NAMESPACE} characters")
         if self.token is not None and not isinstance(self.token, str):
             raise InvalidRequest("token must be a string")
 
@@ -214,8 +215,8 @@ class Flush(Message):
 
     def validate(self, payload_len: int, limits: Limits) -> None:
         _no_payload(self, payload_len)
-        if not isinstance(self.namespace, str):
-            raise InvalidRequest("namespace must be a string")
+        if not isinstance(self.namespace, str) or len(self.namespace) > MAX_NAMESPACE:
+            raise InvalidRequest(f"namespace must be a string of at most {MAX_NAMESPACE} characters")
 
 
 # -- shared memory (same-host clients over the Unix socket; docs/shm.md)

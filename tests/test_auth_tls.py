@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from kvstore.client import AsyncKVClient
@@ -201,6 +202,23 @@ def test_non_loopback_bind_warns_without_auth_or_tls(make_server, token_file: Pa
     authed = make_server("--capacity", "8MiB", "--host", "0.0.0.0", "--token-file", str(token_file))
     assert "clear text" in authed.wait_log("tokens travel")
     assert not any("non-loopback" in line for line in authed.log)
+
+
+async def test_until_its_token_is_checked_a_peer_may_send_only_a_small_meta(make_server, token_file: Path) -> None:
+    """PING needs no token, and the server decoded a PING's meta whole, up to 4 MiB: of empty maps,
+    ~0.3 s of its event loop and ~300 MB each. Before HELLO a meta may have 64 KiB."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    meta = msgpack.packb({"padding": "x" * (100 << 10)})
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(HEADER.pack(b"KV", 1, Ping.OP, 1, len(meta), 0) + meta)
+        got = read_all(s)  # returns: the server closed the connection
+    assert replies(got) == [(0xFF, 0)] and b"over the limit of 65536" in got
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:  # (what a PING needs passes)
+        s.sendall(HEADER.pack(b"KV", 1, Ping.OP, 1, 1, 0) + b"\x80")
+        assert s.recv(4096)[:4] == HEADER.pack(b"KV", 1, Ping.OP | 0x80, 1, 0, 0)[:4]
+    async with AsyncKVClient(srv.addr, token=TOKEN) as kv:  # once HELLO's token is checked: the full limit
+        chain = [hashlib.sha256(b"%d" % i).digest() for i in range(5000)]  # (a meta of ~180 KB)
+        assert await kv.lookup(chain) == 0
 
 
 async def test_protocol_error_code_is_distinct_from_auth(make_server, token_file: Path) -> None:

@@ -178,6 +178,7 @@ def test_replies_and_errors_parse_on_the_client_side() -> None:
         (Lookup(keys=["text"]), InvalidRequest),  # type: ignore[list-item]
         (Lookup(keys=[b"k"] * 20), TooLarge),
         (Hello(namespace=""), InvalidRequest),
+        (Flush(namespace="n" * 257), InvalidRequest),  # (was unbounded: a refused flush logged 4 MiB names)
         (Put(keys=[b"k"], sizes=[-1]), InvalidRequest),
         (Put(keys=[b"k", b"j"], sizes=[1]), InvalidRequest),
     ],
