@@ -246,8 +246,10 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         lines.append("polling     off (sleeps between requests)")
     tier = st.get("tier")
     if tier:
-        lines.append(f"tier        {tier.get('state', '?')} ({tier.get('mode', '?')}), backlog "
+        lines.append(f"tier        {tier.get('state', '?')} ({tier.get('mode', '?')}) {tier.get('target', '')}, backlog "
                      f"{tier.get('backlog_blocks', 0)} blocks / {format_size(tier.get('backlog_bytes', 0))}")
+        if tier.get("last_error"):  # (Redis refusing writes leaves the state "ok": it answers)
+            lines.append(f"            {tier.get('failures', 0)} failed call(s), the last: {tier['last_error']}")
     else:
         lines.append("tier        none (memory only)")
     return "\n".join(lines)
@@ -407,7 +409,10 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
     if not args.yes:
         st = await kv.stats()
         listed = st.get("namespaces", {})
-        if ns in listed or st.get("namespaces_total", 0) <= len(listed):
+        tier = st.get("tier")
+        if tier:  # (the count below is memory's: Redis may hold many more)
+            what = f"all blocks, in memory and in the Redis tier ({tier.get('target', '?')}),"
+        elif ns in listed or st.get("namespaces_total", 0) <= len(listed):
             what = f"all {listed.get(ns, {}).get('blocks', 0)} block(s)"
         else:  # not among the largest the server lists
             what = "all blocks"

@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -26,6 +27,7 @@ from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, even
 from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 NS = "llama3-8b/bf16/tp0"
+CLI = str(Path(sys.executable).with_name("kvstore-cli"))
 MEM = "16MiB"  # kvstore memory per server: small, so servers start fast
 
 
@@ -202,6 +204,27 @@ async def test_a_block_larger_than_redis_takes_is_refused_at_put(make_redis, mak
     assert in_redis(redis, NS, keys) == [True, False, True, True]
 
 
+def test_the_cli_asks_to_flush_what_redis_holds_too(redis_server: RedisProcess, make_server) -> None:  # type: ignore[no-untyped-def]
+    """After a restart memory holds none of a namespace that Redis does: the prompt said "all 0
+    block(s)", and answered yes, the flush deleted them all from Redis."""
+    keys = chain(3, "cli-flush")
+    with ServerProcess("--capacity", MEM, "--redis", redis_server.url) as first:
+        asyncio.run(_put(first.addr, keys))
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url)
+    flush = [CLI, "--addr", srv.addr, "--namespace", NS, "flush"]
+    r = subprocess.run(flush, input="n\n", capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1, r.stderr
+    assert f"Delete all blocks, in memory and in the Redis tier (redis://{redis_server.addr}/0), of namespace" in r.stdout
+    assert in_redis(redis_server, NS, keys) == [True] * 3
+    r = subprocess.run(flush, input="y\n", capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "flushed 3 block(s)" in r.stdout and in_redis(redis_server, NS, keys) == [False] * 3
+
+
+async def _put(addr: str, keys: list[bytes]) -> None:
+    async with AsyncKVClient(addr, namespace=NS) as kv:
+        assert (await kv.put(keys, blocks(keys, 1000))).stored == len(keys)
+
+
 async def test_redis_limit_is_learnt_when_redis_comes_up_after_the_server(tmp_path, make_server) -> None:  # type: ignore[no-untyped-def]
     redis = RedisProcess(tmp_path / "late", args=["--proto-max-bulk-len", "1mb"])  # not started yet
     srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind")
@@ -239,6 +262,8 @@ async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(m
 
         await eventually(refused, 10, "stats to show why the blocks wait")  # (was: state ok, last_error "")
         assert (await kv.stats())["tier"]["backlog_blocks"] > 0
+        shown = subprocess.run([CLI, "--addr", srv.addr, "stats"], capture_output=True, text=True, timeout=30).stdout
+        assert "tier        ok (write-behind)" in shown and "the last: " in shown and "OutOfMemoryError" in shown
     srv.wait_log("write-behind blocks refused")
     redis.cli("CONFIG", "SET", "maxmemory", "0")  # room again: the backlog drains
     async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
