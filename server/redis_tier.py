@@ -525,7 +525,6 @@ class RedisTier(Tier):
         self._degraded_since: float | None = None
         self._next_probe = 0.0
         self._probe_delay = _PROBE_MIN_S
-        self._known_ns: set[str] = set()
         self._key_warnings = _EveryFew()
         self._flusher: asyncio.Task[None] | None = None
         self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
@@ -778,9 +777,11 @@ class RedisTier(Tier):
         now = str(int(time.time()))
         for ns, (n, nbytes) in per_ns.items():
             rec = ns_record_key(ns)
-            if ns not in self._known_ns:
-                cmds.append(("HSETNX", rec, "created", now))
-                cmds.append(("HSET", rec, *[x for kv in namespace_record(ns, self.ttl_s).items() for x in kv]))
+            # The static fields too, every time: another server's flush, a Redis restarted without
+            # persistence, or its eviction may have dropped the record since (a few small commands
+            # beside the blocks' SETs).
+            cmds.append(("HSETNX", rec, "created", now))
+            cmds.append(("HSET", rec, *[x for kv in namespace_record(ns, self.ttl_s).items() for x in kv]))
             cmds += [("HSET", rec, "last_put", now), ("HINCRBY", rec, "blocks_hint", n),
                      ("HINCRBY", rec, "bytes_hint", nbytes)]
         return cmds
@@ -800,7 +801,6 @@ class RedisTier(Tier):
             if isinstance(results, BaseException):
                 raise results
             self._refused(results[:hi - lo], "block write(s)")  # (the record's hints that follow are best effort)
-        self._known_ns.update(it.ns for it in items)
         self.counters["stored_blocks"] += len(items)
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
 
@@ -1030,7 +1030,6 @@ class RedisTier(Tier):
                 raise self._unavailable() from None
             n += _not_counted(batch, await self._delete_names(batch), dropped)
             await self._execute([("DEL", ns_record_key(ns))])
-            self._known_ns.discard(ns)
             self._value_bytes.pop(ns, None)
             return n
         finally:

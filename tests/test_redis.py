@@ -84,6 +84,17 @@ async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisPr
     assert fields["segments"] == '["llama3-8b", "bf16", "tp0"]' and int(fields["created"]) > 0
     assert int(fields["bytes_hint"]) == 4 * (64 << 10)
 
+    # The record gone (another server's flush, a Redis restarted empty): the next put writes it whole
+    # again (was: the hints only, this server having written the rest once).
+    redis_server.cli("DEL", ns_record_key(NS))
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        more = chain(2, "layout-again")
+        assert (await kv.put(more, blocks(more, 1000))).stored == 2
+    record = redis_server.cli("HGETALL", ns_record_key(NS)).split("\n")
+    fields = dict(zip(record[::2], record[1::2]))
+    assert fields["namespace"] == NS and fields["blocks_hint"] == "2" and fields["ttl_s"] == "300"
+    assert "key_pattern" in fields and "value_header" in fields and int(fields["created"]) > 0
+
 
 async def test_namespace_with_special_characters_gets_no_hash_tag(redis_server: RedisProcess, make_server) -> None:
     srv = make_server("--capacity", MEM, env={"KVSTORE_REDIS": redis_server.url})  # the env var works too
