@@ -288,8 +288,9 @@ def default_namespace(config: OffloadingConfig) -> str:
 
     It names the model, KV dtype and layout, the parallel layout (a rank's slice
     depends on it), the chunk geometry and the payload format. It does not name vLLM's prefix hash
-    algorithm: engines that share a namespace must hash alike (``sha256`` or
-    ``sha256_cbor``, or one ``PYTHONHASHSEED`` for the non-cryptographic ones).
+    algorithm nor its seed: engines that share a namespace must hash alike, with one
+    ``PYTHONHASHSEED`` (or none, with ``sha256`` / ``sha256_cbor``) -- vLLM seeds every hash
+    algorithm with it when it is set.
     """
     par = config.parallel
     layout = f"tp{par.tp_size}pp{par.pp_size}"
