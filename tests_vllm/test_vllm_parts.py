@@ -195,6 +195,47 @@ def test_a_silent_server_costs_the_scheduler_one_timeout_not_one_per_request(mak
     m.shutdown()
 
 
+def test_vllm_reuses_a_stores_gpu_blocks_once_gathered_not_once_the_server_answers(make_server: Any) -> None:
+    """vLLM waits for a store job before it hands the job's GPU blocks to another request. The wait
+    lasted until the PUT was answered: a server that hung held every engine step reusing a block for
+    the transfer timeout (30 s). The blocks are free once gathered into host buffers."""
+    import os
+    import signal
+
+    server = make_server("--capacity", "1MiB")
+    spec = KVStoreOffloadingSpec.__new__(KVStoreOffloadingSpec)  # (its settings alone: no vLLM config)
+    spec.settings = KVStoreSettings.from_config(offloading_config({"kvstore_addr": server.addr}))
+    spec.config, spec._manager, spec._worker = offloading_config(), None, None
+    spec.blocks_per_chunk = 3
+    src, caches = paged_caches(seed=5)
+    w = spec.get_worker(caches)
+    chain = keys(1, b"hung")
+    gpu = GPULoadStoreSpec([0, 1, 2], [3], [0])
+    before = [s[[0, 1, 2]].clone() for s in src]
+    w.max_store_backlog = 1  # (one job's gathered chunks at a time)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        assert w.submit_store(1, gpu, KVStoreLoadStoreSpec(chain))
+        w.wait({1})  # (waited out the 30 s transfer timeout before)
+        assert w.get_finished() == []  # its PUT still waits for the server
+        for s in src:  # vLLM reuses the blocks
+            s[[0, 1, 2]] = 0
+        other = keys(1, b"skipped")  # a store past the backlog's bound is skipped, not held
+        assert w.submit_store(3, GPULoadStoreSpec([6, 7, 8], [3], [0]), KVStoreLoadStoreSpec(other))
+        w.wait({3})
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    w.wait_all()
+    assert sorted((r.job_id, r.success) for r in w.get_finished()) == [(1, True), (3, True)]
+    assert w.store_failures == 1
+    with KVClient(server.addr, namespace=spec.settings.namespace) as kv:
+        assert kv.exists([store_key(chain[0], 0), store_key(other[0], 0)]) == [True, False]
+    assert w.submit_load(2, KVStoreLoadStoreSpec(chain), GPULoadStoreSpec([3, 4, 5], [3], [0]))
+    finish(w, 2)
+    for s, b in zip(src, before):  # stored: what the blocks held before they were reused
+        assert torch.equal(s[[3, 4, 5]], b)
+
+
 def test_a_silent_server_costs_the_workers_stores_one_timeout_not_one_per_job(make_server: Any,
                                                                               monkeypatch: Any) -> None:
     """The worker stores on one thread: with the server paused, each queued store job waited the
@@ -223,7 +264,7 @@ def test_a_silent_server_costs_the_workers_stores_one_timeout_not_one_per_job(ma
     try:
         for job in (3, 4, 5):
             assert w.submit_store(job, gpu, KVStoreLoadStoreSpec(chains[job - 2]))
-        w.wait({3, 4, 5})
+        w.wait_all()
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     assert sorted((r.job_id, r.success) for r in w.get_finished()) == [(3, True), (4, True), (5, True)]
@@ -425,7 +466,7 @@ def worker(addr: str, caches: CanonicalKVCaches, rank: int = 0, namespace: str =
 
 
 def finish(w: KVStoreOffloadingWorker, job_id: int) -> None:
-    w.wait({job_id})
+    w.wait_all()  # (wait() returns once a store has read its GPU blocks; its PUT may still run)
     [result] = w.get_finished()
     assert (result.job_id, result.success) == (job_id, True)
 

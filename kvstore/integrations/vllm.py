@@ -51,6 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,9 @@ PREFILL_PROBE_S = 0.02
 # Host payload buffers a worker keeps for reuse, per direction (pinned memory is
 # slow to allocate on CUDA).
 BUFFER_POOL_BYTES = 256 << 20
+# Stores gathered off the GPU and waiting for the server (one that hangs, until its timeout): past
+# this, a new store job is skipped (its chunks stay uncached) rather than hold more host memory.
+MAX_STORE_BACKLOG_BYTES = 1 << 30
 _MAX_NAMESPACE = 256
 _RANK_BYTES = 2
 
@@ -126,6 +130,10 @@ def _runs(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[tuple[
     predecessor is not the chunk before it (a store skips the chunks the server has)."""
     starts = [0] + [i for i in range(1, len(keys)) if parents[i] is not None and parents[i] != keys[i - 1]]
     return list(zip(starts, starts[1:] + [len(keys)]))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -806,33 +814,48 @@ class _Part:
 
 
 class _BufferPool:
-    """Host payload buffers for reuse by one thread, up to a byte budget."""
+    """Host payload buffers for reuse, up to a byte budget (a store's are taken by the gathering
+    thread and given back by the putting one)."""
 
     def __init__(self, budget: int = BUFFER_POOL_BYTES) -> None:
         self._free: dict[PagedKVTransfer, list[torch.Tensor]] = {}
         self._budget = budget
         self._bytes = 0
+        self._lock = threading.Lock()
 
     def take(self, transfer: PagedKVTransfer, n: int) -> list[torch.Tensor]:
-        free = self._free.setdefault(transfer, [])
-        got = [free.pop() for _ in range(min(n, len(free)))]
-        self._bytes -= len(got) * transfer.payload_size
+        with self._lock:
+            free = self._free.setdefault(transfer, [])
+            got = [free.pop() for _ in range(min(n, len(free)))]
+            self._bytes -= len(got) * transfer.payload_size
         return got + transfer.new_payloads(n - len(got))
 
     def give(self, transfer: PagedKVTransfer, buffers: list[torch.Tensor]) -> None:
-        room = max(0, (self._budget - self._bytes) // max(1, transfer.payload_size))
-        kept = buffers[:room]
-        self._free.setdefault(transfer, []).extend(kept)
-        self._bytes += len(kept) * transfer.payload_size
+        with self._lock:
+            room = max(0, (self._budget - self._bytes) // max(1, transfer.payload_size))
+            kept = buffers[:room]
+            self._free.setdefault(transfer, []).extend(kept)
+            self._bytes += len(kept) * transfer.payload_size
+
+
+@dataclass
+class _Staged:
+    """A store job's chunks gathered into host buffers, waiting for their PUTs."""
+
+    parts: list[tuple[_Part, list[bytes], list[bytes | None], list[torch.Tensor]]]
+    nbytes: int
 
 
 class KVStoreOffloadingWorker(OffloadingWorker):
     """Moves chunks between this worker's paged KV cache and the server.
 
-    Stores run on one thread and loads on another, in submission order each
-    (expedited loads, which vLLM waits for within the step, on a third so they
-    never queue behind the others); a job is gather + PUT, or GET (straight into
-    host buffers) + scatter. On CUDA,
+    A store is gathered into host buffers on one thread, then PUT on another;
+    loads run on a third, in submission order each (expedited loads, which vLLM
+    waits for within the step, on a fourth so they never queue behind the
+    others); a load is GET (straight into host buffers) + scatter. vLLM may reuse
+    a store's GPU blocks once it is gathered (:meth:`wait`): a server that hangs
+    holds host memory, at most ``max_store_backlog`` bytes (then new stores are
+    skipped), not the engine. On CUDA,
     each job first waits for the work queued on the submitting stream (the
     forward pass that wrote the blocks to store; the zeroing of blocks to load
     into).
@@ -863,14 +886,19 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             self._transfers.append(PagedKVTransfer(views, blocks_per_chunk, block_dim=0, layout_tag=layout_tag)
                                    if views else None)
         self._device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else torch.device("cpu")
+        self._gathers = ThreadPoolExecutor(1, thread_name_prefix="kvstore-gather")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         self._expedited = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load-now")
-        self._store_buffers = _BufferPool()  # each pool is used by one thread only
+        self._store_buffers = _BufferPool()  # (taken by the gathering thread, given back by the storing one)
         self._load_buffers = _BufferPool()
         self._expedited_buffers = _BufferPool()
         self._jobs: dict[int, Future[TransferResult]] = {}
-        self.store_failures = 0  # stores the server refused (for tests and diagnostics)
+        self._gathered: dict[int, Future[_Staged | None]] = {}  # a store job's GPU reads (what vLLM waits for)
+        self.store_failures = 0  # stores the server refused, or skipped (for tests and diagnostics)
+        self.max_store_backlog = MAX_STORE_BACKLOG_BYTES  # gathered bytes waiting for the server, at most
+        self._backlog = 0
+        self._backlog_lock = threading.Lock()
         self.report_failed_loads = False  # KVStoreConnector: failed loads are reported done, kept here
         self._failed_loads: dict[int, list[int]] = {}  # job id -> its GPU block ids (written by load threads)
         self._failed_lock = threading.Lock()
@@ -879,7 +907,9 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KVStoreLoadStoreSpec), type(dst_spec)
         parts = self._parts(src_spec, dst_spec.keys, dst_spec.parents)
-        self._jobs[job_id] = self._stores.submit(self._store, job_id, parts, self._ready_event())
+        gathered = self._gathers.submit(self._gather, job_id, parts, self._ready_event())
+        self._gathered[job_id] = gathered
+        self._jobs[job_id] = self._stores.submit(self._store, job_id, gathered)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -895,6 +925,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         done = [job_id for job_id, fut in self._jobs.items() if fut.done()]
+        for job_id in done:
+            self._gathered.pop(job_id, None)
         return [self._jobs.pop(job_id).result() for job_id in done]
 
     def take_failed_loads(self, job_ids: Collection[int]) -> dict[int, list[int]]:
@@ -903,17 +935,20 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             return {j: self._failed_loads.pop(j) for j in job_ids if j in self._failed_loads}
 
     def wait(self, job_ids: set[int]) -> None:
+        """vLLM waits for a job before it reuses the job's GPU blocks: a load's are written when
+        it is done, a store's read once gathered into host buffers -- its PUT may go on (a server
+        that hangs would hold every engine step that reuses a block for the transfer timeout)."""
         for job_id in job_ids:
-            fut = self._jobs.get(job_id)
+            fut = self._gathered.get(job_id) or self._jobs.get(job_id)
             if fut is not None:
-                fut.result()  # stays in _jobs: get_finished still reports it
+                futures_wait([fut])  # stays in _jobs: get_finished still reports it
 
     def wait_all(self) -> None:
-        """Wait for every submitted job (they are still reported by :meth:`get_finished`)."""
-        self.wait(set(self._jobs))
+        """Wait until every submitted job is done (they are still reported by :meth:`get_finished`)."""
+        futures_wait(list(self._jobs.values()))
 
     def shutdown(self) -> None:
-        for executor in (self._stores, self._loads, self._expedited):
+        for executor in (self._gathers, self._stores, self._loads, self._expedited):
             executor.shutdown(wait=True)
         for client in {id(c): c for c in (self._client, self._store_client)}.values():
             try:
@@ -960,32 +995,59 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         return event
 
     # -- the jobs (on the executor threads)
-    def _store(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> TransferResult:
-        start = time.perf_counter()
-        nbytes = 0
+    def _gather(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> _Staged | None:
+        """Copy a store job's whole chunks into host buffers (None: skipped, the backlog is full)."""
+        if ready is not None:
+            ready.synchronize()
+        chunks = [(part, *self._whole_chunks(part)) for part in parts]
+        nbytes = sum(len(keys) * part.transfer.payload_size for part, keys, _, _ in chunks)
+        with self._backlog_lock:
+            if self._backlog and self._backlog + nbytes > self.max_store_backlog:
+                return None
+            self._backlog += nbytes
+        staged = _Staged([], nbytes)
         try:
-            if ready is not None:
-                ready.synchronize()
-            for part in parts:
-                keys, ids, parents = self._whole_chunks(part)
-                if not keys:
-                    continue
-                buffers = self._store_buffers.take(part.transfer, len(keys))
-                try:
+            for part, keys, ids, parents in chunks:
+                if keys:
+                    buffers = self._store_buffers.take(part.transfer, len(keys))
+                    staged.parts.append((part, keys, parents, buffers))
                     part.transfer.gather(ids, out=buffers)
-                    for lo, hi in _runs(keys, parents):  # one put per stretch of consecutive chunks
-                        self._store_client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]],
-                                               parent=parents[lo])
-                finally:  # put has returned: the server has the bytes, or will never get them
-                    self._store_buffers.give(part.transfer, buffers)
-                nbytes += len(keys) * part.transfer.payload_size
+        except BaseException:
+            self._unstage(staged)
+            raise
+        return staged
+
+    def _unstage(self, staged: _Staged) -> None:
+        for part, _, _, buffers in staged.parts:
+            self._store_buffers.give(part.transfer, buffers)
+        with self._backlog_lock:
+            self._backlog -= staged.nbytes
+
+    def _store(self, job_id: int, gathered: Future[_Staged | None]) -> TransferResult:
+        start = time.perf_counter()
+        try:
+            staged = gathered.result()
+        except Exception:
+            logger.exception("kvstore: store job %d crashed", job_id)
+            return TransferResult(job_id=job_id, success=False)
+        if staged is None:
+            self.store_failures += 1
+            logger.warning("kvstore: store job %d skipped, its chunks stay uncached: %s of earlier stores are "
+                           "still waiting for the server", job_id, _mib(self._backlog))
+            return TransferResult(job_id=job_id, success=True)
+        try:
+            for part, keys, parents, buffers in staged.parts:
+                for lo, hi in _runs(keys, parents):  # one put per stretch of consecutive chunks
+                    self._store_client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]], parent=parents[lo])
         except KVStoreError as exc:
             self.store_failures += 1
             logger.warning("kvstore: store job %d failed, its chunks stay uncached: %s", job_id, exc)
         except Exception:
             logger.exception("kvstore: store job %d crashed", job_id)
             return TransferResult(job_id=job_id, success=False)
-        return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+        finally:  # put has returned: the server has the bytes, or will never get them
+            self._unstage(staged)
+        return TransferResult(job_id=job_id, success=True, transfer_size=staged.nbytes,
                               transfer_time=time.perf_counter() - start)
 
     def _whole_chunks(self, part: _Part) -> tuple[list[bytes], list[int], list[bytes | None]]:
