@@ -822,6 +822,9 @@ class AsyncKVClient:
                 raise InvalidRequest(f"buffer {i} is a {type(b).__name__}, not a writable buffer (tensors: "
                                      "kvstore.engine.transfer.PagedKVTransfer, or a CPU tensor's "
                                      ".view(torch.uint8).numpy())") from None
+            except ValueError as exc:  # (numpy's datetime64 exports no buffer)
+                raise InvalidRequest(f"buffer {i} is not a plain buffer: {exc} (a numpy array: "
+                                     ".view(numpy.uint8))") from None
             if mv.readonly or not mv.c_contiguous:
                 raise BlockSizeError(f"buffer {i} is not a writable contiguous buffer")
             views.append(flat_bytes(mv))

@@ -413,6 +413,8 @@ def iter_payload(blocks: Iterable[Any]) -> list[memoryview]:
         except TypeError:
             raise InvalidRequest(f"a block must be bytes-like, not {type(b).__name__} (tensors: kvstore.engine."
                                  "transfer.PagedKVTransfer, or a CPU tensor's .view(torch.uint8).numpy())") from None
+        except ValueError as exc:  # (numpy's datetime64 exports no buffer: "cannot include dtype 'M'")
+            raise InvalidRequest(f"a block must be a plain buffer: {exc} (a numpy array: .view(numpy.uint8))") from None
         if not mv.c_contiguous:
             raise InvalidRequest("a block must be a C-contiguous buffer")
         views.append(flat_bytes(mv))

@@ -338,6 +338,12 @@ async def test_buffers_of_python_objects_are_refused_for_put_and_get_into() -> N
             await kv.put(make_keys("record", 1), [record])
             out = np.ones(2, dtype=record.dtype)
             assert await kv.get_into(make_keys("record", 1), [out]) == [True] and not out["Offset"].any()
+            # numpy's datetime64 exports no buffer at all (a bare ValueError came out of put)
+            dates = np.zeros(2, dtype="datetime64[s]")
+            with pytest.raises(InvalidRequest, match="cannot include dtype 'M'"):
+                await kv.put(make_keys("dates", 1), [dates])
+            with pytest.raises(InvalidRequest, match="cannot include dtype 'M'"):
+                await kv.get_into(make_keys("record", 1), [dates])
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_put_that_continues_a_stored_prefix_is_evicted_before_that_prefix(
