@@ -627,7 +627,7 @@ class RedisTier(Tier):
             await asyncio.sleep(0.05)
         unwritten = len(self.queue)
         if unwritten:
-            why = "refused them" if self._up.is_set() and self._refusing else (
+            why = "did not take them" if self._up.is_set() and self._refusing else (
                 "was too slow" if self._up.is_set() else "unreachable")
             log.error("redis %s %s: %d acknowledged write-behind block(s) (%d bytes) were not written within "
                       "%.0fs (last error: %s)", self.target, why, len(self.queue), self.queue.nbytes,
@@ -740,9 +740,9 @@ class RedisTier(Tier):
         if nbytes and isinstance(outage, (RedisTimeoutError, asyncio.TimeoutError)) and await self._answers():
             # Too many bytes for the link within --redis-timeout: this request fails, the others go on.
             self.counters["failures"] += 1
-            raise Unavailable(f"redis tier {self.target}: moving {format_size(nbytes)} of blocks timed out while "
-                              f"redis answers (a link too slow for --redis-timeout {self.timeout_s:g}s): this "
-                              "request failed and is not retried")
+            self._last_error = (f"moving {format_size(nbytes)} timed out while redis answers (a link too slow "
+                                f"for --redis-timeout {self.timeout_s:g}s)")
+            raise Unavailable(f"redis tier {self.target}: {self._last_error}: this request failed and is not retried")
         self._mark_down(outage)
         raise self._unavailable()
 
@@ -847,7 +847,7 @@ class RedisTier(Tier):
                 if self._up.is_set():  # refused (say OOM) while Redis is up: retry later, not in a busy loop
                     if not self._refusing:
                         self._refusing = True
-                        log.warning("redis write-behind blocks refused (%s); %d block(s) wait, retrying every %.0fs",
+                        log.warning("redis write-behind blocks not taken (%s); %d block(s) wait, retrying every %.0fs",
                                     exc, len(self.queue), _PROBE_MAX_S)
                     await asyncio.sleep(_PROBE_MAX_S)
             except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks

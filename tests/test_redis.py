@@ -275,7 +275,7 @@ async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(m
         assert (await kv.stats())["tier"]["backlog_blocks"] > 0
         shown = subprocess.run([CLI, "--addr", srv.addr, "stats"], capture_output=True, text=True, timeout=30).stdout
         assert "tier        ok (write-behind)" in shown and "the last: " in shown and "OutOfMemoryError" in shown
-    srv.wait_log("write-behind blocks refused")
+    srv.wait_log("write-behind blocks not taken")
     redis.cli("CONFIG", "SET", "maxmemory", "0")  # room again: the backlog drains
     async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
         async def drained() -> bool:
@@ -284,7 +284,7 @@ async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(m
         await eventually(drained, 15, "the backlog to drain")
     srv.wait_log("takes write-behind blocks again")
     assert all(in_redis(redis, NS, keys))
-    assert log_count(srv, "write-behind blocks refused") == 1  # once, not per retry
+    assert log_count(srv, "write-behind blocks not taken") == 1  # once, not per retry
 
 
 async def test_a_burst_of_reads_through_the_tier_is_served_whole_and_is_no_outage(redis_server: RedisProcess,
@@ -414,6 +414,7 @@ async def test_a_put_too_large_for_the_link_within_the_timeout_fails_alone(redis
                 await kv.put(big, blocks(big, 4 << 20))
             tier = (await kv.stats())["tier"]
             assert tier["state"] == "ok" and tier["outages"] == 0 and tier["failures"] >= 1
+            assert "timed out while redis answers" in tier["last_error"]  # (was empty: stats showed no why)
             assert (await kv.put(small, blocks(small, 65536))).stored == 1  # the others go on
         assert in_redis(redis_server, NS, small) == [True]
     finally:
