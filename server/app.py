@@ -178,6 +178,8 @@ class Server:
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping: asyncio.Event | None = None
+        self._hurry = False  # asked to stop again while stopping
+        self._hurried = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.poll = self.service.poll  # None: --busy-poll-us 0
         self.port: int | None = None
@@ -308,8 +310,19 @@ class Server:
             await self.tier.check_health()  # notices outages and recoveries (with back-off)
 
     def request_stop(self) -> None:
-        if self._stopping is not None:
+        """Stop: drain, flush the write-behind queue, exit. A second request while that runs (a second
+        Ctrl-C) stops the waiting: busy connections are closed, unwritten blocks reported (exit 1)."""
+        if self._stopping is None:
+            return
+        if not self._stopping.is_set():
             self._stopping.set()
+        elif not self._hurry:
+            self._hurry = True
+            log.warning("stopping now (asked again): no more waiting for connections or for Redis",
+                        extra={"event": "stop_hurried"})
+            self._hurried.set()
+            if self.tier is not None:
+                self.tier.give_up()
 
     async def serve_forever(self, install_signals: bool = True) -> None:
         """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a reload the server does not do:
@@ -359,11 +372,16 @@ class Server:
             conn.start_drain()
         pending = [asyncio.create_task(c.idle.wait()) for c in self.connections]
         if pending:
-            _, not_done = await asyncio.wait(pending, timeout=self.config.drain_seconds)
-            for t in not_done:
-                t.cancel()
+            hurried = asyncio.create_task(self._hurried.wait())
+            drained = asyncio.gather(*pending)
+            await asyncio.wait([drained, hurried], timeout=self.config.drain_seconds,
+                               return_when=asyncio.FIRST_COMPLETED)
+            hurried.cancel()
+            not_done = [t for t in pending if not t.done()]
+            drained.cancel()
             if not_done:
-                log.warning("drain timed out; closing %d busy connection(s)", len(not_done))
+                log.warning("drain %s; closing %d busy connection(s)",
+                            "cut short" if self._hurry else "timed out", len(not_done))
         for conn in list(self.connections):
             conn.close()
         # Let the closing connections deliver their last replies: while any still has bytes to send
@@ -371,7 +389,7 @@ class Server:
         # (a TLS client that never answers close_notify has nothing left to receive).
         flush_until = max(deadline, loop.time() + 1.0)
         quiet = 0
-        while self.connections and loop.time() < flush_until and quiet < 3:
+        while self.connections and loop.time() < flush_until and quiet < 3 and not self._hurry:
             quiet = quiet + 1 if all(c.unsent_bytes() == 0 for c in self.connections) else 0
             await asyncio.sleep(0.01)
         for task in self._tasks:

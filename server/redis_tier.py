@@ -529,6 +529,7 @@ class RedisTier(Tier):
         self._flusher: asyncio.Task[None] | None = None
         self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
         self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
+        self._giving_up = False  # close(): stop flushing now
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block = _BULK_LEN - HEADER_SIZE
@@ -620,7 +621,7 @@ class RedisTier(Tier):
         deadline = time.monotonic() + self.flush_timeout
         if len(self.queue):
             log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
-        while len(self.queue) and time.monotonic() < deadline:
+        while len(self.queue) and time.monotonic() < deadline and not self._giving_up:
             if self._flusher is None or self._flusher.done():
                 break
             await self.check_health()
@@ -637,6 +638,10 @@ class RedisTier(Tier):
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self.client.aclose()
         return unwritten
+
+    def give_up(self) -> None:
+        """Stop a flush in :meth:`close` now (the operator asked twice): what is queued stays unwritten."""
+        self._giving_up = True
 
     def max_connections(self) -> int:
         """The most connections the tier holds to Redis: its pool, per node of a cluster (as far

@@ -38,6 +38,9 @@ class Tier(ABC):
         """Flush anything not yet written (write-behind) and disconnect; the number of
         acknowledged blocks that could not be written (0: nothing lost)."""
 
+    def give_up(self) -> None:
+        """Make a :meth:`close` in progress stop flushing now (the operator asked again)."""
+
     @abstractmethod
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
         """Write-through: return once the backend has every block. Write-behind:

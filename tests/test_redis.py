@@ -440,6 +440,25 @@ async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -
     assert int(redis.cli("STRLEN", block_key(NS, keys[-1]))) == HEADER_SIZE + 200_000
 
 
+async def test_a_second_signal_stops_the_flush_at_once(make_redis, make_server) -> None:
+    """A long write-behind flush (Redis down, --drain-seconds long) ignored a second Ctrl-C: only a
+    kill ended it, which lost the queue without a word. Now the second signal ends the wait."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind",
+                      "--drain-seconds", "600")
+    keys = chain(5, "hurried")
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        redis.stop()
+        assert (await kv.put(keys, blocks(keys, 10_000))).stored == 5
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGINT)
+    srv.wait_log(r"flushing 5 write-behind block\(s\) to redis before exit")
+    srv.proc.send_signal(signal.SIGINT)  # (the flush would wait 600 s for Redis)
+    assert srv.proc.wait(20) == 1
+    assert any("stopping now (asked again)" in line for line in srv.log)
+    assert any("5 acknowledged write-behind block(s)" in line and "were not written" in line for line in srv.log)
+
+
 async def test_a_stop_that_could_not_flush_the_write_behind_queue_exits_1(make_redis, make_server) -> None:
     """Acknowledged blocks lost at exit: a supervisor sees a failed stop, not a clean one."""
     redis = make_redis()

@@ -435,6 +435,24 @@ async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_t
         assert [bytes(b) for b in await other.get(others)] == [data(k, size) for k in others]
 
 
+async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: MakeServer, unix_path: str) -> None:
+    """A drain waits for open shared-memory puts (--drain-seconds); asked again, it stops waiting."""
+    srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--drain-seconds", "600")
+    async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv:
+        node = kv.nodes[0]
+        assert node.shm is not None
+        conn = await node.connection()
+        await conn.request(ShmPut(keys=[key(0, "drain")], sizes=[1 << 20]))  # reserved, never committed
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(srv.wait_log, "stopping: draining")
+        await asyncio.sleep(0.3)
+        assert srv.proc.poll() is None  # waiting for the copy
+        srv.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(srv.proc.wait, 20) == 0
+    assert any("drain cut short; closing 1 busy connection(s)" in line for line in srv.log)
+
+
 # ---------------------------------------------------------------- who may map the arena
 
 
