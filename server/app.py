@@ -216,6 +216,8 @@ class Server:
             await self._start_tcp()
             await self._start_unix()
             self._tasks.append(asyncio.create_task(self._housekeeping()))
+            if self.tier is not None:  # (apart: a probe of a Redis that hangs waits --redis-timeout)
+                self._tasks.append(asyncio.create_task(self._tier_health()))
             self._tasks.append(asyncio.create_task(self._reap_connections()))
             warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
             await self._start_metrics()
@@ -296,7 +298,7 @@ class Server:
             await asyncio.sleep(1.0)
             try:
                 await self._housekeep()
-            except Exception:  # (a bug in one step must not end lease expiry and tier recovery for good)
+            except Exception:  # (a bug in one step must not end lease expiry for good)
                 log.exception("housekeeping failed; trying again in 1 s")
 
     async def _housekeep(self) -> None:
@@ -306,8 +308,15 @@ class Server:
             conn.release_sent()  # replies read by a client that sends nothing more
             if expired:
                 conn.update_idle()  # a drain waiting only for those pins ends now
-        if self.tier is not None:
-            await self.tier.check_health()  # notices outages and recoveries (with back-off)
+
+    async def _tier_health(self) -> None:
+        assert self.tier is not None
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.tier.check_health()  # notices outages and recoveries (with back-off)
+            except Exception:
+                log.exception("tier health check failed; trying again in 1 s")
 
     def request_stop(self) -> None:
         """Stop: drain, flush the write-behind queue, exit. A second request while that runs (a second

@@ -853,7 +853,7 @@ class RedisTier(Tier):
                     if not self._refusing:
                         self._refusing = True
                         log.warning("redis write-behind blocks not taken (%s); %d block(s) wait, retrying every %.0fs",
-                                    exc, len(self.queue), _PROBE_MAX_S)
+                                    self._last_error or exc, len(self.queue), _PROBE_MAX_S)
                     await asyncio.sleep(_PROBE_MAX_S)
             except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks
                 log.exception("redis write-behind flush failed; retrying")

@@ -98,9 +98,10 @@ class _GetGrant:
 
 @dataclass
 class _PutGrant:
-    """Slots reserved by one SHM_PUT, waiting for SHM_COMMIT."""
+    """Slots reserved by one SHM_PUT, waiting for SHM_COMMIT (until ``deadline``)."""
 
     sink: PutSink
+    deadline: float
 
 
 @dataclass(eq=False)
@@ -163,7 +164,7 @@ class ShmService:
         self.pins = 0  # block pins SHM_GETs hold (granted, or waiting for the tier)
         self.max_pins = max(MIN_PINS, PINS_PER_PAGE * self.store.arena.num_pages)
         self.counters = {"attached": 0, "refused": 0, "gets": 0, "puts": 0, "commits": 0, "expired": 0,
-                         "aborted_on_close": 0, "inline_blocks": 0}
+                         "aborted_on_close": 0, "put_expired": 0, "inline_blocks": 0}
 
     # -- helpers
     def _session(self, session: Session) -> ShmSession:
@@ -358,7 +359,8 @@ class ShmService:
             locs.append(None if res is None else extent_locs(res.extent, size, page_size))
         self.counters["puts"] += 1
         if any(r is not None for r in sink.reservations):
-            return {"handle": st.add(_PutGrant(sink)), "locs": locs, **sink.fields()}
+            grant = _PutGrant(sink, time.monotonic() + self.config.lease_cap())
+            return {"handle": st.add(grant), "locs": locs, **sink.fields()}
         done = sink.commit()  # nothing to publish: only waits for pending tier writes of "existed" keys
         if isinstance(done, dict):
             return {"handle": 0, "locs": locs, **done}
@@ -415,18 +417,29 @@ class ShmService:
             self.store.release(ref)
 
     def expire(self, now: float | None = None) -> int:
-        """Drop read pins held past their lease (a client that hangs mid-copy); returns how many handles."""
+        """Drop read pins held past their lease (a client that hangs mid-copy), and put slots held
+        past the longest lease (--max-lease-seconds: a client paused that long, or a dead one whose
+        socket a forked child keeps open); returns how many handles."""
         now = time.monotonic() if now is None else now
-        n = 0
+        reads = puts = 0
         for st in self.sessions:
-            for handle in [h for h, g in st.grants.items() if isinstance(g, _GetGrant) and g.deadline <= now]:
-                self._undo(st.grants.pop(handle))
-                n += 1
-        if n:
-            self.counters["expired"] += n
-            log.warning("dropped %d shared-memory read pin set(s) held past --lease-seconds", n,
+            for handle in [h for h, g in st.grants.items() if g.deadline <= now]:
+                grant = st.grants.pop(handle)
+                self._undo(grant)
+                if isinstance(grant, _GetGrant):
+                    reads += 1
+                else:
+                    puts += 1
+        if reads:
+            self.counters["expired"] += reads
+            log.warning("dropped %d shared-memory read pin set(s) held past --lease-seconds", reads,
                         extra={"event": "shm_pins_expired"})
-        return n
+        if puts:
+            self.counters["put_expired"] += puts
+            log.warning("aborted %d shared-memory put(s) not committed within --max-lease-seconds; a client that "
+                        "still writes their slots overwrites their next owners (readers' checksums catch it)", puts,
+                        extra={"event": "shm_puts_expired"})
+        return reads + puts
 
     def end_session(self, session: Session) -> None:
         """The connection closed: release its pins, abort its reservations (no half-put block survives)."""

@@ -25,6 +25,7 @@ from kvstore.server.tier import TierBlock
 from redis_fixtures import (  # noqa: F401  (fixtures)
     RedisProcess, blocks, chain, eventually, make_redis, payloads, redis_server,
 )
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
 from test_tier_races import SLOW, paused_writes, until_blocked, until_stats
 
 NS = "faults/bf16"
@@ -326,3 +327,35 @@ def test_a_redis_that_resets_each_connection_is_an_outage_not_a_crash() -> None:
     finally:
         listener.close()
         thread.join(5)
+
+
+# ---------------------------------------------------------------- a Redis that hangs
+
+
+async def test_read_pins_expire_while_a_health_probe_waits_on_a_redis_that_hangs(make_redis, make_server,
+                                                                                unix_path: str) -> None:
+    """The once-a-second housekeeping awaited the tier's probe: against a frozen Redis it waited
+    --redis-timeout each time, and shared-memory read pins outlived --lease-seconds by as much."""
+    import signal
+
+    from kvstore.protocol import ShmGet
+
+    redis = make_redis()
+    make_server("--capacity", MEM, "--unix", unix_path, "--redis", redis.url, "--redis-timeout", "60",
+                "--lease-seconds", "1")
+    keys = chain(1, "hung-redis")
+    async with AsyncKVClient("unix:" + unix_path, namespace=NS, retries=0, timeout=30) as kv:
+        assert (await kv.put(keys, blocks(keys, 100_000))).stored == 1
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.5)  # a probe is waiting on it now
+            conn = await kv.nodes[0].connection()
+            assert (await conn.request(ShmGet(keys=keys))).fields["handle"]  # pinned (in memory: no Redis call)
+
+            async def expired() -> bool:
+                return (await kv.stats())["shm"]["expired"] == 1
+
+            await eventually(expired, 10, "the read pins to expire")
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)

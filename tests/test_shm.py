@@ -20,7 +20,7 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import CapacityError, InvalidRequest, Unauthorized
+from kvstore.errors import CapacityError, InvalidRequest, NotFound, Unauthorized
 from kvstore.config import ServerConfig
 from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
@@ -433,6 +433,31 @@ async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_t
         assert done.fields["status"] == [STORED] * 2
         assert [bytes(b) for b in await kv.get(keys)] == [data(k, size) for k in keys]
         assert [bytes(b) for b in await other.get(others)] == [data(k, size) for k in others]
+
+
+async def test_a_put_not_committed_within_the_longest_lease_gives_its_slots_back(
+        make_server: MakeServer, unix_path: str) -> None:
+    """Its connection is exempt from the timeouts (above); a client that died while a forked child
+    keeps its socket open held the slots for good. They go after --max-lease-seconds."""
+    make_server("--capacity", "4MiB", "--unix", unix_path, "--idle-timeout", "1",
+                "--lease-seconds", "1", "--max-lease-seconds", "2")
+    async with AsyncKVClient("unix:" + unix_path, namespace="stuck") as kv:
+        node = kv.nodes[0]
+        assert node.shm is not None
+        conn = await node.connection()
+        resp = await conn.request(ShmPut(keys=[key(0, "stuck")], sizes=[3 << 20]))
+        assert (await kv.stats())["store"]["reserved_bytes"] >= 3 << 20
+
+        async def given_back() -> bool:
+            st = await kv.stats()
+            return st["store"]["reserved_bytes"] == 0 and st["shm"]["put_expired"] == 1
+
+        await eventually(given_back, 10, "the slots to be given back")
+        assert not conn.closed
+        with pytest.raises(NotFound):
+            await conn.request(ShmCommit(handle=resp.fields["handle"], checksums=[0]))
+        others = [key(i, "after") for i in range(3)]  # the room is there again
+        assert (await kv.put(others, [data(k, 1 << 20) for k in others])).stored == 3
 
 
 async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: MakeServer, unix_path: str) -> None:
