@@ -249,7 +249,9 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         lines.append(f"tier        {tier.get('state', '?')} ({tier.get('mode', '?')}) {tier.get('target', '')}, backlog "
                      f"{tier.get('backlog_blocks', 0)} blocks / {format_size(tier.get('backlog_bytes', 0))}")
         if tier.get("last_error"):  # (Redis refusing writes leaves the state "ok": it answers)
-            lines.append(f"            {tier.get('failures', 0)} failed call(s), the last: {tier['last_error']}")
+            at = tier.get("last_error_at")
+            ago = f" ({_duration(max(0, time.time() - at))} ago)" if isinstance(at, (int, float)) else ""
+            lines.append(f"            {tier.get('failures', 0)} failed call(s), the last{ago}: {tier['last_error']}")
     else:
         lines.append("tier        none (memory only)")
     return "\n".join(lines)

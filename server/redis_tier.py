@@ -522,6 +522,7 @@ class RedisTier(Tier):
         self.queue = _WriteQueue(max(1, queue_bytes))
         self._up = asyncio.Event()  # set while Redis answers
         self._last_error = ""
+        self._last_error_at: float | None = None  # (wall clock: when, for the stats)
         self._degraded_since: float | None = None
         self._next_probe = 0.0
         self._probe_delay = _PROBE_MIN_S
@@ -651,9 +652,12 @@ class RedisTier(Tier):
 
     # -- health
 
+    def _error(self, what: str) -> None:
+        self._last_error, self._last_error_at = what, time.time()
+
     def _mark_down(self, exc: BaseException) -> None:
         self.counters["failures"] += 1
-        self._last_error = _describe(exc)
+        self._error(_describe(exc))
         if self._up.is_set() or self._degraded_since is None:
             self._up.clear()
             self._degraded_since = time.time()
@@ -745,8 +749,8 @@ class RedisTier(Tier):
         if nbytes and isinstance(outage, (RedisTimeoutError, asyncio.TimeoutError)) and await self._answers():
             # Too many bytes for the link within --redis-timeout: this request fails, the others go on.
             self.counters["failures"] += 1
-            self._last_error = (f"moving {format_size(nbytes)} timed out while redis answers (a link too slow "
-                                f"for --redis-timeout {self.timeout_s:g}s)")
+            self._error(f"moving {format_size(nbytes)} timed out while redis answers (a link too slow "
+                        f"for --redis-timeout {self.timeout_s:g}s)")
             raise Unavailable(f"redis tier {self.target}: {self._last_error}: this request failed and is not retried")
         self._mark_down(outage)
         raise self._unavailable()
@@ -764,7 +768,7 @@ class RedisTier(Tier):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self.counters["failures"] += 1
-            self._last_error = _describe(errors[0])
+            self._error(_describe(errors[0]))
             raise Unavailable(f"redis {self.target} refused {len(errors)} of {len(results)} {what} "
                               f"({_describe(errors[0])})")
 
@@ -1065,5 +1069,6 @@ class RedisTier(Tier):
             "queue_limit_bytes": self.queue.limit,
             "degraded_since": self._degraded_since,
             "last_error": self._last_error,
+            "last_error_at": self._last_error_at,
             **self.counters,
         }
