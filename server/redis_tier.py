@@ -40,7 +40,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
 from redis.asyncio import Redis
@@ -188,8 +188,8 @@ def _check_db(url: str) -> None:
     """A ``redis://`` URL's path must be a database number: redis-py ignores any other
     (``/db3`` would write to database 0, perhaps another application's)."""
     parts = urlsplit(url)
-    db = parts.path.strip("/")
-    if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+    db = unquote(parts.path).strip("/")  # (as redis-py reads it: /%33 is database 3)
+    if parts.scheme in ("redis", "rediss") and db and not (db.isascii() and db.isdigit()):
         raise ValueError("its path is not a database number (redis://host:port/3 for database 3)")
 
 
