@@ -263,9 +263,10 @@ def _shown(name: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
 
 
-def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None = None) -> str:
+def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None = None, tier: str | None = None) -> str:
+    """The namespaces in memory (``tier``: the Redis tier, whose blocks are not counted here)."""
     if not namespaces:
-        return "no blocks stored"
+        return f"no blocks in memory (the Redis tier {tier} is not counted here)" if tier else "no blocks stored"
     shown = {ns: _shown(ns) for ns in namespaces}
     width = max(len("NAMESPACE"), *(len(s) for s in shown.values()))
     rows = [f"{'NAMESPACE':<{width}}  {'BLOCKS':>10}  {'BYTES':>12}"]
@@ -308,8 +309,9 @@ async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
 async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
     st = await kv.stats()
     ns = st.get("namespaces", {})
-    print(json.dumps(ns, indent=2, sort_keys=True) if args.json else render_namespaces(ns, st.get("namespaces_total")),
-          file=out)
+    tier = (st.get("tier") or {}).get("target")
+    print(json.dumps(ns, indent=2, sort_keys=True) if args.json else
+          render_namespaces(ns, st.get("namespaces_total"), tier), file=out)
     return 0
 
 

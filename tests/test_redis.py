@@ -222,6 +222,8 @@ def test_the_cli_asks_to_flush_what_redis_holds_too(redis_server: RedisProcess, 
     with ServerProcess("--capacity", MEM, "--redis", redis_server.url) as first:
         asyncio.run(_put(first.addr, keys))
     srv = make_server("--capacity", MEM, "--redis", redis_server.url)
+    listed = subprocess.run([CLI, "--addr", srv.addr, "namespaces"], capture_output=True, text=True, timeout=30).stdout
+    assert listed.strip() == f"no blocks in memory (the Redis tier redis://{redis_server.addr}/0 is not counted here)"
     flush = [CLI, "--addr", srv.addr, "--namespace", NS, "flush"]
     r = subprocess.run(flush, input="n\n", capture_output=True, text=True, timeout=30)
     assert r.returncode == 1, r.stderr
