@@ -558,9 +558,9 @@ def test_a_chunk_of_another_kv_dtype_or_layout_is_refused_not_loaded(kvstore_ser
     src, src_caches = paged_caches(seed=1)
     chunk = keys(1)
     prefill = worker(kvstore_server.addr, src_caches, namespace="shared", layout_tag="float16/NHD")
-    assert prefill.submit_store(1, GPULoadStoreSpec([0, 1, 2], [3], [0]), KVStoreLoadStoreSpec(chunk))
-    finish(prefill, 1)
     for job, tag in enumerate(["bfloat16/NHD", "float16/HND", None], start=2):
+        assert prefill.submit_store(10 + job, GPULoadStoreSpec([0, 1, 2], [3], [0]), KVStoreLoadStoreSpec(chunk))
+        finish(prefill, 10 + job)
         dst, dst_caches = paged_caches(seed=None)
         decode = worker(kvstore_server.addr, dst_caches, namespace="shared", layout_tag=tag)
         assert decode.submit_load(job, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([3, 4, 5], [3], [0]))
@@ -568,7 +568,11 @@ def test_a_chunk_of_another_kv_dtype_or_layout_is_refused_not_loaded(kvstore_ser
         [result] = decode.get_finished()
         assert (result.job_id, result.success) == (job, False), tag
         assert not any(d.any() for d in dst)  # nothing scattered
+        with KVClient(kvstore_server.addr, namespace="shared") as kv:  # and deleted: no lookup offers it again
+            assert kv.exists([store_key(chunk[0], 0)]) == [False]
         decode.shutdown()
+    assert prefill.submit_store(1, GPULoadStoreSpec([0, 1, 2], [3], [0]), KVStoreLoadStoreSpec(chunk))
+    finish(prefill, 1)
     dst, dst_caches = paged_caches(seed=None)
     decode = worker(kvstore_server.addr, dst_caches, namespace="shared", layout_tag="float16/NHD")
     assert decode.submit_load(9, KVStoreLoadStoreSpec(chunk), GPULoadStoreSpec([3, 4, 5], [3], [0]))

@@ -80,7 +80,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 from kvstore.client import KVClient
 from kvstore.client.tokens import read_token_file
 from kvstore.engine.transfer import PagedKVTransfer
-from kvstore.errors import KVStoreError
+from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
 
 __all__ = [
     "KVStoreConnector",
@@ -900,6 +900,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self._backlog = 0
         self._backlog_lock = threading.Lock()
         self.report_failed_loads = False  # KVStoreConnector: failed loads are reported done, kept here
+        self.report_failed_sync_loads = False  # ... those vLLM waits for within the step too
         self._failed_loads: dict[int, list[int]] = {}  # job id -> its GPU block ids (written by load threads)
         self._failed_lock = threading.Lock()
 
@@ -920,7 +921,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             executor, buffers = self._expedited, self._expedited_buffers
         else:
             executor, buffers = self._loads, self._load_buffers
-        self._jobs[job_id] = executor.submit(self._load, job_id, parts, self._ready_event(), buffers)
+        self._jobs[job_id] = executor.submit(self._load, job_id, parts, self._ready_event(), buffers, expedited)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -1065,9 +1066,10 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         return keys, ids, parents
 
     def _load(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None,
-              pool: _BufferPool) -> TransferResult:
+              pool: _BufferPool, expedited: bool = False) -> TransferResult:
         start = time.perf_counter()
         nbytes = 0
+        part: _Part | None = None
         try:
             if ready is not None:
                 ready.synchronize()
@@ -1079,19 +1081,28 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                     if not all(found):
                         logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
                                      found.count(False), len(found))
-                        return self._failed_load(job_id, parts)
+                        return self._failed_load(job_id, parts, expedited)
                     part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
                 finally:
                     pool.give(part.transfer, buffers)
                 nbytes += len(part.keys) * part.transfer.payload_size
+        except (BlockSizeError, IntegrityError) as exc:  # (PayloadMismatch: another dtype, layout or format)
+            # Stored but not loadable here: left on the server, every lookup would offer them again.
+            assert part is not None
+            logger.error("kvstore: load job %d: chunks on the server cannot be loaded (%s); deleting them", job_id, exc)
+            try:
+                self._client.delete(part.keys)
+            except KVStoreError as gone:
+                logger.warning("kvstore: could not delete the chunks load job %d could not load: %s", job_id, gone)
+            return self._failed_load(job_id, parts, expedited)
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)
-            return self._failed_load(job_id, parts)
+            return self._failed_load(job_id, parts, expedited)
         return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                               transfer_time=time.perf_counter() - start)
 
-    def _failed_load(self, job_id: int, parts: list[_Part]) -> TransferResult:
-        if not self.report_failed_loads:
+    def _failed_load(self, job_id: int, parts: list[_Part], expedited: bool) -> TransferResult:
+        if not (self.report_failed_sync_loads if expedited else self.report_failed_loads):
             return TransferResult(job_id=job_id, success=False)
         with self._failed_lock:  # (before the result is seen: the connector asks once it is)
             self._failed_loads[job_id] = [b for part in parts for b in part.block_ids]
@@ -1112,8 +1123,9 @@ class KVStoreConnector(OffloadingConnector):
     ``"kv_load_failure_policy": "recompute"``, or ends with an error under the
     default ``"fail"``; the engine goes on. A request waiting for its load is
     reported in ``failed_recving``; the GPU blocks of a load vLLM runs within
-    the step (expedited) in ``get_block_ids_with_load_errors``, which vLLM takes
-    only from models with one KV-cache group.
+    the step (expedited) in ``get_block_ids_with_load_errors`` -- only under
+    ``"fail"``: vLLM 0.33's recompute of such a load can run the model on blocks
+    never loaded, so under ``"recompute"`` its failure still stops the engine.
 
     It reads which load job is whose from the worker's ``_load_jobs`` (vLLM 0.33).
     """
@@ -1131,6 +1143,10 @@ class KVStoreConnector(OffloadingConnector):
         worker = self._kvstore_worker()
         if worker is not None:  # (before any load is submitted)
             worker.report_failed_loads = True
+            # vLLM 0.33 recomputes a failed load within the step from its GPU blocks, which it keeps
+            # in its prefix cache and may already have run a step on (async scheduling): the model
+            # would read what never arrived. Under "fail" it drops them and ends the request.
+            worker.report_failed_sync_loads = self._vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
         super().start_load_kv(forward_context, **kwargs)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
