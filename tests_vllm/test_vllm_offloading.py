@@ -317,6 +317,15 @@ def _blocks_gone_after_the_lookup(engine: Engine, addr: str) -> Callable[[], Non
     return undo
 
 
+def _stored_then_lost(engine: Engine, addr: str, prompt: list[int]) -> Callable[[], None]:
+    """Run ``prompt`` (its chunks stored), clear the GPU prefix cache, and make the next load of
+    them fail (:func:`_blocks_gone_after_the_lookup`; returns its undo)."""
+    engine.new_request(prompt)
+    engine.run([EOS_TOKEN_ID])
+    assert engine.scheduler.reset_prefix_cache()
+    return _blocks_gone_after_the_lookup(engine, addr)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_load_that_fails_is_recomputed_under_kvstores_connector(
         make_engine: Callable[..., Engine], kvstore_server: ServerProcess, async_scheduling: bool) -> None:
@@ -324,10 +333,7 @@ def test_a_load_that_fails_is_recomputed_under_kvstores_connector(
     KVStoreConnector reports the request to the scheduler, which computes it (policy "recompute")."""
     engine = make_engine(kvstore_server.addr, async_scheduling=async_scheduling, load_failure_policy="recompute")
     prompt = list(range(700, 724))
-    engine.new_request(prompt)
-    engine.run([EOS_TOKEN_ID])
-    assert engine.scheduler.reset_prefix_cache()
-    undo = _blocks_gone_after_the_lookup(engine, kvstore_server.addr)
+    undo = _stored_then_lost(engine, kvstore_server.addr, prompt)
     schedule, computed = engine.scheduler.schedule, []
 
     def counting() -> Any:
@@ -375,10 +381,7 @@ def test_a_load_that_fails_ends_its_request_under_the_fail_policy(make_engine: C
     extra = {"sync_load_budget_bytes": 1 << 30} if sync_load else {}
     engine = make_engine(kvstore_server.addr, load_failure_policy="fail", **extra)
     prompt = list(range(800, 824))
-    engine.new_request(prompt)
-    engine.run([EOS_TOKEN_ID])
-    assert engine.scheduler.reset_prefix_cache()
-    undo = _blocks_gone_after_the_lookup(engine, kvstore_server.addr)
+    undo = _stored_then_lost(engine, kvstore_server.addr, prompt)
     try:
         failed = engine.new_request(prompt + [5, 6])
         for _ in range(10):
@@ -399,10 +402,7 @@ def test_a_load_within_the_step_that_fails_under_recompute_still_stops_the_engin
     "recompute" (vLLM's worker asserts, as without it); under "fail" it does (above)."""
     engine = make_engine(kvstore_server.addr, load_failure_policy="recompute", sync_load_budget_bytes=1 << 30)
     prompt = list(range(300, 324))
-    engine.new_request(prompt)
-    engine.run([EOS_TOKEN_ID])
-    assert engine.scheduler.reset_prefix_cache()
-    undo = _blocks_gone_after_the_lookup(engine, kvstore_server.addr)
+    undo = _stored_then_lost(engine, kvstore_server.addr, prompt)
     try:
         engine.new_request(prompt + [5, 6])
         with pytest.raises(AssertionError):  # (vLLM's worker: assert transfer_result.success)
