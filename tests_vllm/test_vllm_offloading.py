@@ -354,10 +354,12 @@ def test_a_load_that_fails_is_recomputed_under_kvstores_connector(
     assert not engine.scheduler.requests
 
 
+@pytest.mark.parametrize("damage", ["another layout's header", "another size"])
 def test_a_chunk_that_cannot_be_loaded_is_deleted_not_offered_again(make_engine: Callable[..., Engine],
-                                                                    kvstore_server: ServerProcess) -> None:
+                                                                    kvstore_server: ServerProcess, damage: str) -> None:
     """Chunks another engine's layout wrote (or corrupted ones) stay on the server: each lookup
-    found them, each load failed, and under "recompute" the request went back and forth for good."""
+    found them, each load failed, and under "recompute" the request went back and forth for good.
+    Only the chunk that cannot be loaded goes: the others are valid for every engine."""
     engine = make_engine(kvstore_server.addr, load_failure_policy="recompute")
     prompt = list(range(600, 624))
     req = engine.new_request(prompt)
@@ -365,14 +367,19 @@ def test_a_chunk_that_cannot_be_loaded_is_deleted_not_offered_again(make_engine:
     keys = [chunk_key(req, c) for c in range(2)]
     kv = KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace)
     blobs = [bytes(b) for b in kv.get(keys)]  # type: ignore[arg-type]
-    kv.delete(keys)
-    kv.put(keys, [b[:12] + bytes([b[12] ^ 0xFF]) + b[13:] for b in blobs])  # another layout's header
+    kv.delete(keys[1:])
+    bad = blobs[1][:12] + bytes([blobs[1][12] ^ 0xFF]) + blobs[1][13:] if damage == "another layout's header" \
+        else blobs[1][:-4]
+    kv.put(keys[1:], [bad])
     assert engine.scheduler.reset_prefix_cache()
     again = engine.new_request(prompt + [5, 6])
     log = engine.run([0, EOS_TOKEN_ID])
-    assert len(log.loads) == 1 and again.status == RequestStatus.FINISHED_STOPPED  # one try, then computed
-    # Deleted, then stored by the recompute: this engine's header again (the fake model's KV differs).
-    assert [bytes(b)[:HEADER_SIZE] for b in kv.get(keys)] == [b[:HEADER_SIZE] for b in blobs]
+    # One try; then the chunk left loads and the rest is computed, and stored.
+    assert [t.gpu_block_indexes for t in log.loads] == [(0, 1, 2, 3, 4, 5), (0, 1, 2)]
+    assert again.status == RequestStatus.FINISHED_STOPPED and log.stored == (3, 4, 5)
+    first, second = (bytes(b) for b in kv.get(keys))  # type: ignore[arg-type]
+    assert first == blobs[0]  # kept (a recompute's store of it would hold the fake model's other KV)
+    assert second[:HEADER_SIZE] == blobs[1][:HEADER_SIZE] and len(second) == len(blobs[1])  # deleted, stored anew
 
 
 @pytest.mark.parametrize("sync_load", [False, True], ids=["async-load", "load-within-the-step"])

@@ -271,6 +271,16 @@ class PagedKVTransfer:
         make the host wait for all the compute stream has queued."""
         return ids.pin_memory().to(self.device, non_blocking=True) if self._cuda else ids.to(self.device)
 
+    def misfits(self, payloads: Sequence[Any]) -> list[int]:
+        """Indexes of the payloads :meth:`scatter` would refuse (another size, dtype, layout or format)."""
+        out = []
+        for i, p in enumerate(payloads):
+            try:
+                self._checked(i, p)
+            except PayloadMismatch:
+                out.append(i)
+        return out
+
     def _check_size(self, index: int, size: int) -> None:
         if size != self.payload_size:
             raise PayloadMismatch(

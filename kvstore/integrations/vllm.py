@@ -79,7 +79,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
 from kvstore.client import KVClient
 from kvstore.client.tokens import read_token_file
-from kvstore.engine.transfer import PagedKVTransfer
+from kvstore.engine.transfer import PagedKVTransfer, PayloadMismatch
 from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
 
 __all__ = [
@@ -1069,37 +1069,49 @@ class KVStoreOffloadingWorker(OffloadingWorker):
               pool: _BufferPool, expedited: bool = False) -> TransferResult:
         start = time.perf_counter()
         nbytes = 0
-        part: _Part | None = None
         try:
             if ready is not None:
                 ready.synchronize()
             for part in parts:
                 buffers = pool.take(part.transfer, len(part.keys))
                 try:
-                    found = self._client.get_into(part.keys, [b.numpy().data for b in buffers],
-                                                  unpin=True)
+                    try:
+                        found = self._client.get_into(part.keys, [b.numpy().data for b in buffers],
+                                                      unpin=True)
+                    except (BlockSizeError, IntegrityError) as exc:  # (per key in .errors: the rest may be fine)
+                        errors = getattr(exc, "errors", None) or {}
+                        bad = [i for i, e in errors.items() if isinstance(e, (BlockSizeError, IntegrityError))]
+                        return self._unloadable(job_id, parts, expedited, [part.keys[i] for i in bad], exc)
                     if not all(found):
                         logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
                                      found.count(False), len(found))
                         return self._failed_load(job_id, parts, expedited)
-                    part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
+                    try:
+                        part.transfer.scatter(buffers, part.block_ids, skip=part.skip)  # synchronized
+                    except PayloadMismatch as exc:  # (checked before anything is written)
+                        bad = part.transfer.misfits(buffers)
+                        return self._unloadable(job_id, parts, expedited, [part.keys[i] for i in bad], exc)
                 finally:
                     pool.give(part.transfer, buffers)
                 nbytes += len(part.keys) * part.transfer.payload_size
-        except (BlockSizeError, IntegrityError) as exc:  # (PayloadMismatch: another dtype, layout or format)
-            # Stored but not loadable here: left on the server, every lookup would offer them again.
-            assert part is not None
-            logger.error("kvstore: load job %d: chunks on the server cannot be loaded (%s); deleting them", job_id, exc)
-            try:
-                self._client.delete(part.keys)
-            except KVStoreError as gone:
-                logger.warning("kvstore: could not delete the chunks load job %d could not load: %s", job_id, gone)
-            return self._failed_load(job_id, parts, expedited)
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)
             return self._failed_load(job_id, parts, expedited)
         return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                               transfer_time=time.perf_counter() - start)
+
+    def _unloadable(self, job_id: int, parts: list[_Part], expedited: bool, keys: list[bytes],
+                    why: Exception) -> TransferResult:
+        """A load failed on chunks that are stored but cannot be loaded here (another engine's dtype,
+        layout or format; corrupted): deleted, or every lookup would offer them again."""
+        logger.error("kvstore: load job %d: %d chunk(s) on the server cannot be loaded (%s); deleting them",
+                     job_id, len(keys), why)
+        if keys:
+            try:
+                self._client.delete(keys)
+            except KVStoreError as exc:
+                logger.warning("kvstore: could not delete the chunks load job %d could not load: %s", job_id, exc)
+        return self._failed_load(job_id, parts, expedited)
 
     def _failed_load(self, job_id: int, parts: list[_Part], expedited: bool) -> TransferResult:
         if not (self.report_failed_sync_loads if expedited else self.report_failed_loads):
