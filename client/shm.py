@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    IntegrityError, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unavailable, from_code,
+    IntegrityError, KVStoreError, NotFound, ProtocolError, RequestTimeout, TransportError, Unavailable, from_code,
 )
 from kvstore.protocol import (
     ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmCommit, ShmGet, ShmPut,
@@ -484,7 +484,12 @@ class ShmChannel:
             except BaseException:
                 await self._release(conn, handle)  # abort the reservations rather than publish them
                 raise
-            fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
+            try:
+                fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
+            except NotFound:  # (this client commits a handle once: the server gave its slots back)
+                raise RequestTimeout(f"{self.node.addr}: the shared-memory put was not committed within the "
+                                     "server's --max-lease-seconds; its slots were given back and nothing was "
+                                     "stored") from None
         return replies.statuses(fields, len(keys), "SHM_PUT/SHM_COMMIT")
 
     def _copy_in(self, locs: list[Any], views: list[memoryview]) -> list[int]:

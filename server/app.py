@@ -346,7 +346,8 @@ class Server:
         for sig in handled:  # before the "listening" line: a supervisor may stop the server as it sees it
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self.start()
+            if not await self._started():
+                return
             await self._stopping.wait()
             log.info("stopping: draining %d connection(s)", len(self.connections))
             await self.shutdown()
@@ -356,6 +357,25 @@ class Server:
         finally:
             for sig in handled:
                 loop.remove_signal_handler(sig)
+
+    async def _started(self) -> bool:
+        """:meth:`start`, unless a stop is asked for first (a Redis that hangs can hold the start
+        for --redis-timeout): then the server never listens. Whether it started."""
+        assert self._stopping is not None
+        starting = asyncio.ensure_future(self.start())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if starting.done():
+            starting.result()  # (its errors: StartupError and the like)
+            return True
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        log.info("stopped before it started serving")
+        self._close_now()
+        if self.tier is not None:
+            await self.tier.close()
+        return False
 
     def _close_now(self) -> None:
         """Stop listening and serving without a drain: listeners, the socket file, the server's
@@ -379,18 +399,19 @@ class Server:
         deadline = loop.time() + self.config.drain_seconds
         for conn in list(self.connections):
             conn.start_drain()
-        pending = [asyncio.create_task(c.idle.wait()) for c in self.connections]
-        if pending:
+        busy = {asyncio.create_task(c.idle.wait()) for c in self.connections}
+        if busy:
             hurried = asyncio.create_task(self._hurried.wait())
-            drained = asyncio.gather(*pending)
-            await asyncio.wait([drained, hurried], timeout=self.config.drain_seconds,
-                               return_when=asyncio.FIRST_COMPLETED)
+            while busy and not hurried.done() and loop.time() < deadline:
+                done, _ = await asyncio.wait(busy | {hurried}, timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                busy -= done
             hurried.cancel()
-            not_done = [t for t in pending if not t.done()]
-            drained.cancel()
-            if not_done:
+            for t in busy:
+                t.cancel()
+            if busy:
                 log.warning("drain %s; closing %d busy connection(s)",
-                            "cut short" if self._hurry else "timed out", len(not_done))
+                            "cut short" if self._hurry else "timed out", len(busy))
         for conn in list(self.connections):
             conn.close()
         # Let the closing connections deliver their last replies: while any still has bytes to send

@@ -530,7 +530,7 @@ class RedisTier(Tier):
         self._flusher: asyncio.Task[None] | None = None
         self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
         self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
-        self._giving_up = False  # close(): stop flushing now
+        self._giving_up = asyncio.Event()  # close(): stop flushing now
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block = _BULK_LEN - HEADER_SIZE
@@ -622,18 +622,20 @@ class RedisTier(Tier):
         deadline = time.monotonic() + self.flush_timeout
         if len(self.queue):
             log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
-        while len(self.queue) and time.monotonic() < deadline and not self._giving_up:
+        started = time.monotonic()
+        while len(self.queue) and time.monotonic() < deadline and not self._giving_up.is_set():
             if self._flusher is None or self._flusher.done():
                 break
-            await self.check_health()
-            await asyncio.sleep(0.05)
+            await self._unless_giving_up(self.check_health())  # (a probe of a Redis that hangs: --redis-timeout)
+            await self._unless_giving_up(asyncio.sleep(0.05))
         unwritten = len(self.queue)
         if unwritten:
             why = "did not take them" if self._up.is_set() and self._refusing else (
                 "was too slow" if self._up.is_set() else "unreachable")
             log.error("redis %s %s: %d acknowledged write-behind block(s) (%d bytes) were not written within "
-                      "%.0fs (last error: %s)", self.target, why, len(self.queue), self.queue.nbytes,
-                      self.flush_timeout, self._last_error or "none")
+                      "%.0fs%s (last error: %s)", self.target, why, len(self.queue), self.queue.nbytes,
+                      time.monotonic() - started, " (the stop was asked again)" if self._giving_up.is_set() else "",
+                      self._last_error or "none")
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
@@ -642,7 +644,16 @@ class RedisTier(Tier):
 
     def give_up(self) -> None:
         """Stop a flush in :meth:`close` now (the operator asked twice): what is queued stays unwritten."""
-        self._giving_up = True
+        self._giving_up.set()
+
+    async def _unless_giving_up(self, step: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._giving_up.wait())
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     def max_connections(self) -> int:
         """The most connections the tier holds to Redis: its pool, per node of a cluster (as far

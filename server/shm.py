@@ -379,7 +379,8 @@ class ShmService:
         st = self._session(session)
         grant = st.grants.get(msg.handle)
         if not isinstance(grant, _PutGrant):
-            raise NotFound(f"no open SHM_PUT with handle {msg.handle}")
+            raise NotFound(f"no open SHM_PUT with handle {msg.handle} (committed or released already, or "
+                           "not committed within --max-lease-seconds: its slots were given back)")
         del st.grants[msg.handle]
         sink = grant.sink
         if msg.checksums and len(msg.checksums) != len(sink.msg.keys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -359,3 +360,31 @@ async def test_read_pins_expire_while_a_health_probe_waits_on_a_redis_that_hangs
             await eventually(expired, 10, "the read pins to expire")
         finally:
             redis.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_stop_asked_while_the_start_waits_on_a_redis_that_hangs_never_listens(make_redis) -> None:  # type: ignore[no-untyped-def]
+    """The start waited out the probe of a frozen Redis (about twice --redis-timeout), then listened
+    -- a supervisor saw the server come up -- and only then stopped."""
+    import signal
+    import subprocess
+    import sys
+
+    redis = make_redis()
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    cmd = [str(Path(sys.executable).with_name("kvstore-server")), "--port", "0", "--capacity", "4MiB",
+           "--redis", redis.url, "--redis-timeout", "5"]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        for line in server.stderr:  # (the arena is ready; the tier's first probe is waiting)
+            if "pre-faulting" in line:
+                break
+        time.sleep(0.5)
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    finally:
+        server.kill()
+        redis.proc.send_signal(signal.SIGCONT)
+    assert server.returncode == 0
+    assert "stopped before it started serving" in err and "listening" not in err

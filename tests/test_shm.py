@@ -15,12 +15,13 @@ import textwrap
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import CapacityError, InvalidRequest, NotFound, Unauthorized
+from kvstore.errors import CapacityError, InvalidRequest, NotFound, RequestTimeout, Unauthorized
 from kvstore.config import ServerConfig
 from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
@@ -460,6 +461,28 @@ async def test_a_put_not_committed_within_the_longest_lease_gives_its_slots_back
         assert (await kv.put(others, [data(k, 1 << 20) for k in others])).stored == 3
 
 
+async def test_a_put_whose_copy_outlasts_the_longest_lease_says_so(make_server: MakeServer, unix_path: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """It raised NotFound, "no open SHM_PUT with handle 1": the class of a missing key, naming a handle."""
+    import kvstore.client.shm as client_shm
+
+    make_server("--capacity", "16MiB", "--unix", unix_path, "--lease-seconds", "1", "--max-lease-seconds", "2")
+    copy_in = client_shm.ShmChannel._copy_in
+
+    def paused(self: Any, locs: Any, views: Any) -> Any:
+        time.sleep(3.5)  # (the process paused mid-put: a debugger, SIGSTOP)
+        return copy_in(self, locs, views)
+
+    async with AsyncKVClient("unix:" + unix_path, namespace="paused", retries=0) as kv:
+        assert kv.nodes[0].shm is not None
+        monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", paused)
+        k = [key(0, "paused")]
+        with pytest.raises(RequestTimeout, match="not committed within the server's --max-lease-seconds"):
+            await kv.put(k, [data(k[0], 4 << 20)])
+        monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", copy_in)
+        assert await kv.exists(k) == [False]
+
+
 async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: MakeServer, unix_path: str) -> None:
     """A drain waits for open shared-memory puts (--drain-seconds); asked again, it stops waiting."""
     srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--drain-seconds", "600")
@@ -476,6 +499,22 @@ async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: M
         srv.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(srv.proc.wait, 20) == 0
     assert any("drain cut short; closing 1 busy connection(s)" in line for line in srv.log)
+    assert not any("never retrieved" in line or "Traceback" in line for line in srv.log)
+
+
+async def test_a_drain_that_times_out_closes_the_busy_connection_without_an_error(
+        make_server: MakeServer, unix_path: str) -> None:
+    srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--drain-seconds", "0.5")
+    async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv:
+        node = kv.nodes[0]
+        assert node.shm is not None
+        conn = await node.connection()
+        await conn.request(ShmPut(keys=[key(0, "drain")], sizes=[1 << 20]))  # reserved, never committed
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(srv.proc.wait, 20) == 0
+    assert any("drain timed out; closing 1 busy connection(s)" in line for line in srv.log)
+    assert not any("never retrieved" in line or "Traceback" in line for line in srv.log)  # (a gather left behind)
 
 
 # ---------------------------------------------------------------- who may map the arena
