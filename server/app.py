@@ -177,7 +177,7 @@ class Server:
         self.connections: set[Connection] = set()
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._servers: list[asyncio.AbstractServer] = []
-        self._stopping: asyncio.Event | None = None
+        self._stopping = asyncio.Event()  # (a stop asked before serve_forever runs is kept)
         self._hurry = False  # asked to stop again while stopping
         self._hurried = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -201,8 +201,6 @@ class Server:
         return conn
 
     async def start(self) -> None:
-        if self._stopping is None:  # (serve_forever makes it first: a signal during the start is kept)
-            self._stopping = asyncio.Event()
         if self.tier is not None:
             try:
                 await self.tier.start()  # a Redis that is down only makes it start degraded
@@ -221,8 +219,8 @@ class Server:
             self._tasks.append(asyncio.create_task(self._reap_connections()))
             warn_if_exposed(self.config.host, self.service.auth, self.tls is not None)
             await self._start_metrics()
-        except BaseException:
-            await self._abandon_start()
+        except BaseException:  # (a socket file left behind would read as a live server's to the next start)
+            await self._close_at_once()
             raise
         log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
@@ -240,11 +238,14 @@ class Server:
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
 
-    async def _abandon_start(self) -> None:
-        """Release what a start that failed half-way had bound: a socket file left behind would
-        read as a live server's to the next start's neighbours (and clients)."""
+    async def _close_at_once(self) -> None:
+        """:meth:`_close_now`, the metrics listener, and the tier, not flushed: a start that
+        failed or was stopped half-way, or a cancelled server."""
         self._close_now()
+        if self.metrics is not None:
+            await self.metrics.close()
         if self.tier is not None:
+            self.tier.give_up()
             await self.tier.close()
 
     async def _start_unix(self) -> None:
@@ -272,7 +273,7 @@ class Server:
         if self.config.metrics_port is None:
             return
         self.metrics = MetricsServer(self.service, self.config.host, self.config.metrics_port,
-                                     draining=lambda: self._stopping is None or self._stopping.is_set())
+                                     draining=self._stopping.is_set)
         try:
             port = await self.metrics.start()
         except OSError as exc:
@@ -321,8 +322,6 @@ class Server:
     def request_stop(self) -> None:
         """Stop: drain, flush the write-behind queue, exit. A second request while that runs (a second
         Ctrl-C) stops the waiting: busy connections are closed, unwritten blocks reported (exit 1)."""
-        if self._stopping is None:
-            return
         if not self._stopping.is_set():
             self._stopping.set()
         elif not self._hurry:
@@ -339,7 +338,6 @@ class Server:
         when the server was started ignoring it (``nohup``). The loop gets its own signal
         handling back when this returns (an embedding program's Ctrl-C). Cancelled, it stops
         at once: no drain, no write-behind flush."""
-        self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         handled = [sig for sig in STOP_SIGNALS if install_signals and not (
             sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN)]
@@ -352,7 +350,7 @@ class Server:
             log.info("stopping: draining %d connection(s)", len(self.connections))
             await self.shutdown()
         except asyncio.CancelledError:  # (an embedding program's cancel: stop at once, no drain, no flush)
-            self._close_now()
+            await self._close_at_once()
             raise
         finally:
             for sig in handled:
@@ -361,20 +359,20 @@ class Server:
     async def _started(self) -> bool:
         """:meth:`start`, unless a stop is asked for first (a Redis that hangs can hold the start
         for --redis-timeout): then the server never listens. Whether it started."""
-        assert self._stopping is not None
         starting = asyncio.ensure_future(self.start())
         stop = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if starting.done():
+        try:
+            await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (cancelled too: no start may go on alone)
+            stop.cancel()
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        if not starting.cancelled():
             starting.result()  # (its errors: StartupError and the like)
             return True
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
+        await self._close_at_once()  # (what the start had bound before it was cancelled)
         log.info("stopped before it started serving")
-        self._close_now()
-        if self.tier is not None:
-            await self.tier.close()
         return False
 
     def _close_now(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -15,7 +16,7 @@ from kvstore import __version__
 from kvstore.config import ServerConfig, note_env, parse_bool, parse_number, parse_size
 from kvstore.eviction import POLICIES
 
-from .app import Server, StartupError
+from .app import STOP_SIGNALS, Server, StartupError
 from .logs import setup_logging
 
 ENV_PREFIX = "KVSTORE_"
@@ -182,6 +183,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> ServerConfig:
     return ServerConfig(**{k: v for k, v in vars(args).items()})
 
 
+async def _serve(server: Server) -> None:
+    try:
+        await server.serve_forever()
+    finally:  # stopped: a stop signal repeated now (a supervisor's second SIGTERM) must not kill the exit
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _run(coro: Any) -> None:
     try:
         import uvloop
@@ -211,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvstore-server: interrupted before it listened", file=sys.stderr)
         return 130
     try:
-        _run(server.serve_forever())
+        _run(_serve(server))
     except StartupError as exc:  # a listener
         _say(exc, argv)
         return 2

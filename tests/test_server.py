@@ -392,6 +392,66 @@ def test_a_server_that_fails_to_start_gives_its_loop_the_signals_back() -> None:
         taken.close()
 
 
+def test_an_embedded_server_stops_whenever_it_is_told() -> None:
+    """Cancelled while it started, its start went on alone and it listened for good; told to stop
+    before serve_forever ran, it served; cancelled, it kept its metrics port."""
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    def listening(port: int) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except OSError:
+            return False
+        return True
+
+    async def run() -> None:
+        port = free_port()
+        server = Server(ServerConfig(host="127.0.0.1", port=port, capacity=1 << 20, prefault=False))
+        serving = asyncio.ensure_future(server.serve_forever(install_signals=False))
+        await asyncio.sleep(0)  # (its start has begun)
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await asyncio.sleep(0.3)
+        assert not listening(port) and server.port is None
+
+        server = Server(ServerConfig(host="127.0.0.1", port=port, capacity=1 << 20, prefault=False))
+        server.request_stop()
+        await server.serve_forever(install_signals=False)  # (returns: it was told to stop)
+        assert not listening(port)
+
+        metrics = free_port()
+        server = Server(ServerConfig(host="127.0.0.1", port=port, metrics_port=metrics, capacity=1 << 20,
+                                     prefault=False))
+        serving = asyncio.ensure_future(server.serve_forever(install_signals=False))
+        while server.port is None:
+            await asyncio.sleep(0.01)
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        assert not listening(port) and not listening(metrics)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_sent_twice_quickly_does_not_kill_the_exit(sig: int) -> None:
+    """The second one, a few ms after the first, came after the handlers were gone: the process died
+    of it (-15, -2) instead of exiting with its code."""
+    with ServerProcess("--capacity", "1MiB") as srv:
+        assert srv.proc is not None
+        srv.proc.send_signal(sig)
+        time.sleep(0.005)
+        srv.proc.send_signal(sig)
+        assert srv.proc.wait(20) == 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_sigint_drain_even_if_the_server_started_ignoring_them(sig: int) -> None:
     """(a shell's background job ignores SIGINT, a wrapper may `trap '' TERM`: only SIGHUP's inherited
