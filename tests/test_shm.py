@@ -410,6 +410,13 @@ async def test_client_killed_mid_put_leaves_no_block(make_server: MakeServer, un
             child.stdout.close()
 
 
+async def _reserved(kv: AsyncKVClient, keys: list[bytes], size: int) -> tuple[Any, Any]:
+    """An SHM_PUT of ``keys`` on one of ``kv``'s connections, never committed: (that connection, its reply)."""
+    assert kv.nodes[0].shm is not None
+    conn = await kv.nodes[0].connection()
+    return conn, await conn.request(ShmPut(keys=keys, sizes=[size] * len(keys)))
+
+
 async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_timeout(
         make_server: MakeServer, unix_path: str) -> None:
     """Closing the connection would free the slots while the client, only slow (paused, in a
@@ -420,9 +427,7 @@ async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_t
     async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv, \
             AsyncKVClient(srv.addr, namespace="other", shm=False) as other:
         node = kv.nodes[0]
-        assert node.shm is not None
-        conn = await node.connection()
-        resp = await conn.request(ShmPut(keys=keys, sizes=[size] * 2))
+        conn, resp = await _reserved(kv, keys, size)
         await asyncio.sleep(3)  # three idle-timeout checks with nothing sent
         assert not conn.closed
         others = [key(i, "other") for i in range(2)]  # the rest of the store
@@ -443,10 +448,7 @@ async def test_a_put_not_committed_within_the_longest_lease_gives_its_slots_back
     make_server("--capacity", "4MiB", "--unix", unix_path, "--idle-timeout", "1",
                 "--lease-seconds", "1", "--max-lease-seconds", "2")
     async with AsyncKVClient("unix:" + unix_path, namespace="stuck") as kv:
-        node = kv.nodes[0]
-        assert node.shm is not None
-        conn = await node.connection()
-        resp = await conn.request(ShmPut(keys=[key(0, "stuck")], sizes=[3 << 20]))
+        conn, resp = await _reserved(kv, [key(0, "stuck")], 3 << 20)
         assert (await kv.stats())["store"]["reserved_bytes"] >= 3 << 20
 
         async def given_back() -> bool:
@@ -487,10 +489,7 @@ async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: M
     """A drain waits for open shared-memory puts (--drain-seconds); asked again, it stops waiting."""
     srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--drain-seconds", "600")
     async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv:
-        node = kv.nodes[0]
-        assert node.shm is not None
-        conn = await node.connection()
-        await conn.request(ShmPut(keys=[key(0, "drain")], sizes=[1 << 20]))  # reserved, never committed
+        await _reserved(kv, [key(0, "drain")], 1 << 20)
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(srv.wait_log, "stopping: draining")
@@ -506,10 +505,7 @@ async def test_a_drain_that_times_out_closes_the_busy_connection_without_an_erro
         make_server: MakeServer, unix_path: str) -> None:
     srv = make_server("--capacity", "4MiB", "--unix", unix_path, "--drain-seconds", "0.5")
     async with AsyncKVClient("unix:" + unix_path, namespace="slow") as kv:
-        node = kv.nodes[0]
-        assert node.shm is not None
-        conn = await node.connection()
-        await conn.request(ShmPut(keys=[key(0, "drain")], sizes=[1 << 20]))  # reserved, never committed
+        await _reserved(kv, [key(0, "drain")], 1 << 20)
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(srv.proc.wait, 20) == 0
