@@ -596,6 +596,44 @@ def test_the_spec_tags_payloads_with_the_engines_kv_dtype_and_layout(kvstore_ser
     assert len(set(headers)) == 3
 
 
+def test_a_store_that_crashes_is_counted_not_reported_as_failed(kvstore_server: ServerProcess,
+                                                                 monkeypatch: Any) -> None:
+    """vLLM 0.33 stops the engine on a transfer reported as failed. A store is a cache fill: one
+    that crashes (a bug, an error of the device in its gather, a put that raises) is logged and
+    counted, its chunks stay uncached, its host buffers are given back, and the next store works."""
+    src, caches = paged_caches(seed=9)
+    w = worker(kvstore_server.addr, caches)
+    transfer = w._transfers[0]
+    real_gather, real_put = transfer.gather, w._store_client.put
+
+    def gather_fails(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("an error of the device")
+
+    def put_fails(*args: Any, **kwargs: Any) -> None:
+        raise TypeError("a bug")
+
+    chains = [keys(1, b"crash%d" % i) for i in range(3)]
+    gpu = GPULoadStoreSpec([0, 1, 2], [3], [0])
+    monkeypatch.setattr(transfer, "gather", gather_fails)
+    assert w.submit_store(1, gpu, KVStoreLoadStoreSpec(chains[0]))
+    finish(w, 1)
+    monkeypatch.setattr(transfer, "gather", real_gather)
+    monkeypatch.setattr(w._store_client, "put", put_fails)
+    assert w.submit_store(2, gpu, KVStoreLoadStoreSpec(chains[1]))
+    finish(w, 2)
+    monkeypatch.setattr(w._store_client, "put", real_put)
+    assert w.store_failures == 2 and w._backlog == 0
+    assert w.submit_store(3, gpu, KVStoreLoadStoreSpec(chains[2]))
+    finish(w, 3)
+    with KVClient(kvstore_server.addr, namespace="parts") as kv:
+        assert kv.exists([store_key(c[0], 0) for c in chains]) == [False, False, True]
+    assert w.submit_load(4, KVStoreLoadStoreSpec(chains[2]), GPULoadStoreSpec([3, 4, 5], [3], [0]))
+    finish(w, 4)
+    for s in src:
+        assert torch.equal(s[[3, 4, 5]], s[[0, 1, 2]])
+    w.shutdown()
+
+
 def test_worker_reports_a_missing_chunk_as_a_failed_load(kvstore_server: ServerProcess) -> None:
     _, caches = paged_caches(seed=None)
     w = worker(kvstore_server.addr, caches)
