@@ -191,6 +191,9 @@ class DictStore:
         self.blocks: dict[bytes, bytes] = {}
         self.fail_puts = False
 
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self.blocks.pop(k, None) is not None for k in keys)
+
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> None:
         if self.fail_puts:
             raise CapacityError("full")
@@ -294,3 +297,70 @@ def test_a_store_that_cannot_be_reached_is_a_miss_not_an_error_in_the_scheduling
         assert sched.on_alloc("r", list(range(6)), 0) is None  # and the request goes on: nothing to load
     finally:
         kv.close()
+
+
+def put_with_a_wrong_checksum(addr: str, ns: str, keys: list[bytes], blocks: list[bytes], bad: int) -> None:
+    """A PUT whose checksum of block ``bad`` does not match its bytes: a block corrupted on its way."""
+    import socket
+
+    import xxhash
+
+    from kvstore.messages import Hello, Put
+    from kvstore.protocol import Frame, FrameReader, encode
+
+    sums = [xxhash.xxh3_64_intdigest(b) ^ (i == bad) for i, b in enumerate(blocks)]
+    frames = encode(Hello(namespace=ns), 1) + encode(Put(keys=keys, sizes=[len(b) for b in blocks],
+                                                         checksums=sums), 2, blocks)
+    host, port = addr.rsplit(":", 1)
+    reader, replies = FrameReader(is_server=False), 0
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"".join(bytes(f) for f in frames))
+        while replies < 2:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            reader.feed(chunk)
+            while isinstance(reader.next_event(), Frame):
+                replies += 1
+
+
+@pytest.mark.parametrize("damage", ["checksum", "layout"])
+def test_a_block_that_cannot_be_loaded_is_deleted_so_the_recomputed_prefix_is_stored(damage: str) -> None:
+    """A stored block the engine cannot load (corrupted; another engine's layout in the namespace)
+    failed every load of its prefix for good: each lookup offered it, and the recomputed prefix's
+    store found it present and left it. The executor now deletes it -- only it."""
+    from kvstore.client import KVClient
+    from kvstore.errors import IntegrityError
+    from kvstore.server.process import ServerProcess
+
+    hasher, prompt = BlockHasher(8), list(range(16))
+    keys = hasher.keys(prompt)
+    src = make_caches(torch.float32, 1)
+    payloads = [bytes(p.numpy()) for p in PagedKVTransfer(src, 2).gather([0, 1, 2, 3])]
+    with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="bad") as kv:
+        if damage == "checksum":
+            put_with_a_wrong_checksum(srv.addr, "bad", keys, payloads, bad=1)
+            with pytest.raises(IntegrityError):
+                kv.get(keys)
+        else:  # the same prompt's blocks from an engine whose cache is float16
+            other = PagedKVTransfer(make_caches(torch.float16, 1), 2)
+            kv.put(keys, [bytes(p.numpy()) for p in other.gather([0, 1, 2, 3])])
+        dst = make_caches(torch.float32, 1, "zeros")
+        sched = OffloadScheduler(hasher, 4)
+        ex = TransferExecutor(kv, PagedKVTransfer(dst, 2), sched, pin=True)
+        for rid, expect_failed in (("first", True), ("second", False)):
+            sched.add_request(rid, prompt + [7])
+            assert sched.num_external_tokens(rid, 0, ex.lookup) == 16  # (both blocks offered)
+            load = sched.on_alloc(rid, [0, 1, 2, 3, 4], 16)
+            assert load is not None
+            done = ex.run([load])
+            assert bool(done.failed) is expect_failed
+            if expect_failed:  # the engine computes the prompt into its blocks 0..3 and stores it
+                for s, d in zip(src, dst):
+                    d[:, :4] = s[:, :4]
+                assert kv.exists(keys) == ([True, False] if damage == "checksum" else [False, False])
+                assert ex.run(sched.build_step({rid: 17})).failed == ()
+                for d in dst:
+                    d.zero_()
+            sched.finish_request(rid)
+        for s, d in zip(src, dst):  # the second request loaded what the first one stored
+            same(d[:, :4], s[:, :4])

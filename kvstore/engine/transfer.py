@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
-from kvstore.errors import BlockSizeError, KVStoreError
+from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
 
 __all__ = [
     "HEADER_SIZE",
@@ -49,6 +49,7 @@ __all__ = [
     "PagedKVTransfer",
     "PayloadMismatch",
     "TransferExecutor",
+    "unusable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -348,6 +349,13 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
+def unusable(exc: KVStoreError) -> list[int]:
+    """Indexes of the blocks a failed ``get_into`` found stored but could not use: a checksum that
+    does not match, another size. (The client names them in ``exc.errors``; the rest may be fine.)"""
+    errors = getattr(exc, "errors", None) or {}
+    return [i for i, e in errors.items() if isinstance(e, (BlockSizeError, IntegrityError))]
+
+
 class BlockClient(Protocol):
     """What the executor needs of a client (:class:`kvstore.client.KVClient` has it)."""
 
@@ -356,6 +364,8 @@ class BlockClient(Protocol):
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]: ...
 
     def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+    def delete(self, keys: Sequence[bytes]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -405,17 +415,42 @@ class TransferExecutor:
             return 0
 
     def load(self, job: LoadJob) -> bool:
-        """Fetch and scatter one load; False (cache untouched) if a block is missing."""
-        payloads = self.transfer.new_payloads(len(job.keys))
+        """Fetch and scatter one load; False (cache untouched) if a block is missing.
+
+        Raises what the client or :meth:`PagedKVTransfer.scatter` raises. Blocks stored but not
+        loadable here (corrupted, another engine's layout in the namespace) are deleted first:
+        every lookup would offer them again, and the recomputed prefix's store would find them
+        present and leave them.
+        """
+        keys = list(job.keys)
+        payloads = self.transfer.new_payloads(len(keys))
         buffers = [p.numpy().data for p in payloads]
-        if self.pin:
-            found = self.client.get_into(list(job.keys), buffers, unpin=True)  # type: ignore[call-arg]
-        else:
-            found = self.client.get_into(list(job.keys), buffers)
+        try:
+            if self.pin:
+                found = self.client.get_into(keys, buffers, unpin=True)  # type: ignore[call-arg]
+            else:
+                found = self.client.get_into(keys, buffers)
+        except (BlockSizeError, IntegrityError) as exc:
+            self._delete(job, [keys[i] for i in unusable(exc)], exc)
+            raise
         if not all(found):
             return False
-        self.transfer.scatter(payloads, job.gpu_block_ids, skip=job.skip)
+        try:
+            self.transfer.scatter(payloads, job.gpu_block_ids, skip=job.skip)
+        except PayloadMismatch as exc:  # (checked before anything is written)
+            self._delete(job, [keys[i] for i in self.transfer.misfits(payloads)], exc)
+            raise
         return True
+
+    def _delete(self, job: LoadJob, keys: list[bytes], why: Exception) -> None:
+        if not keys:
+            return
+        logger.error("load %d of request %s: %d stored block(s) cannot be loaded (%s); deleting them",
+                     job.job_id, job.req_id, len(keys), why)
+        try:
+            self.client.delete(keys)
+        except KVStoreError as exc:
+            logger.warning("could not delete the blocks load %d could not load: %s", job.job_id, exc)
 
     def store(self, job: StoreJob) -> None:
         """Gather and put one store; raises what the client raises."""

@@ -79,7 +79,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
 from kvstore.client import KVClient
 from kvstore.client.tokens import read_token_file
-from kvstore.engine.transfer import PagedKVTransfer, PayloadMismatch
+from kvstore.engine.transfer import PagedKVTransfer, PayloadMismatch, unusable
 from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
 
 __all__ = [
@@ -1079,9 +1079,8 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                     try:
                         found = self._client.get_into(part.keys, [b.numpy().data for b in buffers],
                                                       unpin=True)
-                    except (BlockSizeError, IntegrityError) as exc:  # (per key in .errors: the rest may be fine)
-                        errors = getattr(exc, "errors", None) or {}
-                        bad = [i for i, e in errors.items() if isinstance(e, (BlockSizeError, IntegrityError))]
+                    except (BlockSizeError, IntegrityError) as exc:
+                        bad = unusable(exc)
                         return self._unloadable(job_id, parts, expedited, [part.keys[i] for i in bad], exc)
                     if not all(found):
                         logger.error("kvstore: load job %d: %d of %d chunks are missing", job_id,
