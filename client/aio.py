@@ -694,6 +694,7 @@ class AsyncKVClient:
         background; ``close()`` gives that a second, after which they end with their time.
         """
         keys = _checked_keys(keys)
+        Lookup.check_lease(lease_ms)
         if not keys:
             return 0
 

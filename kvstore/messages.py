@@ -167,8 +167,14 @@ class Lookup(_KeysRequest):
 
     def validate(self, payload_len: int, limits: Limits) -> None:
         super().validate(payload_len, limits)
-        if self.lease_ms is not None and (type(self.lease_ms) is not int or not 0 < self.lease_ms <= 2**31):
-            raise InvalidRequest("lease_ms must be a positive integer of milliseconds")
+        self.check_lease(self.lease_ms)
+
+    @staticmethod
+    def check_lease(lease_ms: object) -> None:
+        """(The client checks it too, before it is sent: a number msgpack cannot hold would say so.)"""
+        if lease_ms is not None and (type(lease_ms) is not int or not 0 < lease_ms <= 2**31):
+            raise InvalidRequest(f"lease_ms must be a positive integer of milliseconds, at most 2**31; "
+                                 f"got {lease_ms!r:.40}")
 
 
 @dataclass(frozen=True)

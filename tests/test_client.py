@@ -225,6 +225,15 @@ def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict
         AsyncKVClient("127.0.0.1:7600", **setting)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("lease_ms", [10**30, 0, -5, 2.5, "5"])
+async def test_a_bad_lease_is_refused_before_the_wire_by_name(lease_ms: object) -> None:
+    """(10**30 said "cannot encode Lookup: Integer value out of range", naming msgpack, not lease_ms)"""
+    kv = AsyncKVClient("127.0.0.1:1")  # (nothing listens there: the check comes first)
+    with pytest.raises(InvalidRequest, match="lease_ms must be a positive integer of milliseconds"):
+        await kv.lookup([bytes(32)], pin=True, lease_ms=lease_ms)  # type: ignore[arg-type]
+    await kv.close()
+
+
 def test_the_blocking_client_shows_the_async_clients_parameters() -> None:
     """KVClient(addr, **kwargs) showed help() no parameter at all; a misspelt one still fails at once."""
     import inspect

@@ -336,3 +336,16 @@ def test_misuse_is_refused() -> None:
         s.on_alloc("r", gpu_blocks(6), 0)
     with pytest.raises(ValueError, match="not a store"):
         s.on_store_done(load.job_id)
+    # each of these raised a bare KeyError, AttributeError or TypeError, the last one far from its cause
+    s.on_load_done(load.job_id)
+    with pytest.raises(ValueError, match=f"job {load.job_id} is not pending"):
+        s.on_load_done(load.job_id)
+    with pytest.raises(ValueError, match="job 999 is not pending"):
+        s.on_store_done(999)
+    with pytest.raises(TypeError, match="kv_transfer_params must be a mapping, got list"):
+        s.add_request("pairs", range(8), [("do_remote_decode", True)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="answered None"):
+        s.num_external_tokens("r", 0, lambda keys: None)  # type: ignore[arg-type,return-value]
+    for size in (4.0, True, "4"):  # (4.0 from a "/" was taken, and failed at the first on_alloc)
+        with pytest.raises(ValueError, match="gpu_block_size must be an integer"):
+            OffloadScheduler(BlockHasher(8), size)  # type: ignore[arg-type]

@@ -147,6 +147,11 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         PagedKVTransfer([caches[0], caches[1][:, :5]], 2)
     with pytest.raises(ValueError):
         PagedKVTransfer([], 2)
+    for factor in (2.0, 1.5, True):  # (a struct.error, or True taken for 1)
+        with pytest.raises(ValueError, match="block_size_factor must be an integer"):
+            PagedKVTransfer(caches, factor)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="skip=2: it counts GPU blocks of the first payload, 0 to 1"):
+        t.scatter(payloads, [], skip=2)  # (said "need 0 GPU blocks, got 0")
 
 
 @pytest.mark.parametrize("block_dim", sorted(LAYOUTS))

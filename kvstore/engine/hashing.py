@@ -92,6 +92,18 @@ def _encode(value: object, out: bytearray) -> None:
         raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}")
 
 
+def whole_number(value: object, name: str) -> int:
+    """``value`` as an int >= 1, numpy integers too; a ValueError naming ``name`` for anything else
+    (2.0 from a ``/``, True, "4"), raised where it comes in rather than at the first key or slice."""
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else 0  # type: ignore[arg-type]
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return n
+
+
 class BlockHasher:
     """Computes the key chain of a token sequence for one block size and algorithm.
 
@@ -106,13 +118,7 @@ class BlockHasher:
     """
 
     def __init__(self, block_size: int, *, algo: str = "sha256", seed: object = b"") -> None:
-        try:  # (2.5 failed at the first key, "4" with a TypeError; numpy integers are integers)
-            size = operator.index(block_size) if not isinstance(block_size, bool) else 0
-        except TypeError:
-            size = 0
-        if size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        block_size = size
+        block_size = whole_number(block_size, "block_size")
         try:
             self._digest, self.key_size = ALGORITHMS[algo]
         except KeyError:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvstore.engine.hashing import BlockHasher, KeyChain
+from kvstore.engine.hashing import BlockHasher, KeyChain, whole_number
 
 __all__ = ["Finished", "LoadJob", "LookupFn", "OffloadScheduler", "StoreJob"]
 
@@ -125,7 +125,8 @@ class OffloadScheduler:
     """
 
     def __init__(self, hasher: BlockHasher, gpu_block_size: int) -> None:
-        if gpu_block_size < 1 or hasher.block_size % gpu_block_size:
+        gpu_block_size = whole_number(gpu_block_size, "gpu_block_size")
+        if hasher.block_size % gpu_block_size:
             raise ValueError(
                 f"offloaded block size {hasher.block_size} is not a multiple of the "
                 f"GPU block size {gpu_block_size}"
@@ -155,9 +156,12 @@ class OffloadScheduler:
 
         Raises:
             ValueError: the id is already tracked.
+            TypeError: ``kv_transfer_params`` is not a mapping.
         """
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already tracked")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, Mapping):
+            raise TypeError(f"kv_transfer_params must be a mapping, got {type(kv_transfer_params).__name__}")
         remote_decode = bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode"))
         self._requests[req_id] = _Request(self.hasher.chain(extra, token_ids), remote_decode)
 
@@ -191,8 +195,8 @@ class OffloadScheduler:
         if not candidates:
             return 0
         hits = lookup(candidates)
-        if not 0 <= hits <= len(candidates):
-            raise ValueError(f"lookup of {len(candidates)} keys answered {hits}")
+        if not isinstance(hits, int) or not 0 <= hits <= len(candidates):  # (None: a lookup that returned nothing)
+            raise ValueError(f"lookup of {len(candidates)} keys answered {hits!r}, not a count of 0 to {len(candidates)}")
         self._unuse(req.found)  # a lookup asked again: the last one's finds go unused
         req.found = tuple(candidates[:hits])
         if hits == 0:
@@ -289,6 +293,9 @@ class OffloadScheduler:
 
         Returns:
             GPU blocks of finished (or preempted) requests that no transfer uses any more.
+
+        Raises:
+            ValueError: no such load is pending (never emitted, or reported already).
         """
         job = self._pop_job(job_id, LoadJob)
         req = self._requests[job.req_id]
@@ -303,12 +310,17 @@ class OffloadScheduler:
 
         Returns:
             GPU blocks of finished (or preempted) requests that no transfer uses any more.
+
+        Raises:
+            ValueError: no such store is pending (never emitted, or reported already).
         """
         job = self._pop_job(job_id, StoreJob)
         return self._release(job.req_id, job)
 
     def _pop_job(self, job_id: int, kind: type[J]) -> J:
-        job = self._jobs[job_id]
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise ValueError(f"job {job_id!r} is not pending: never emitted, or already reported done")
         if not isinstance(job, kind):
             raise ValueError(f"job {job_id} is not a {kind.__name__.removesuffix('Job').lower()}")
         del self._jobs[job_id]

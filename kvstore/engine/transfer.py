@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvstore.engine.hashing import whole_number
 from kvstore.engine.offload import LoadJob, OffloadScheduler, StoreJob
 from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
 
@@ -89,8 +90,7 @@ class PagedKVTransfer:
                  layout_tag: str | None = None) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors given")
-        if block_size_factor < 1:
-            raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+        block_size_factor = whole_number(block_size_factor, "block_size_factor")
         first = kv_caches[0]
         ndim = first.dim()
         dim = block_dim + ndim if block_dim < 0 else block_dim
@@ -187,7 +187,9 @@ class PagedKVTransfer:
             ValueError: wrong number of ids, duplicates or ids out of range.
         """
         n = len(payloads)
-        if not 0 <= skip < self.factor or len(gpu_block_ids) != n * self.factor - skip:
+        if not 0 <= skip < self.factor:
+            raise ValueError(f"skip={skip}: it counts GPU blocks of the first payload, 0 to {self.factor - 1}")
+        if len(gpu_block_ids) != n * self.factor - skip:
             raise ValueError(f"{n} payloads with skip={skip} need {n * self.factor - skip} GPU blocks, "
                              f"got {len(gpu_block_ids)}")
         ids = self._ids(gpu_block_ids)
