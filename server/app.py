@@ -25,7 +25,7 @@ from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
 from .redis_tier import RedisTier
 from .service import Service
-from .shm import bind_unix_listener, remove_unix_listener
+from .shm import bind_unix_listener, check_unix_path, remove_unix_listener
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ def _listen_error(host: str, port: int, flag: str, exc: OSError) -> StartupError
     return StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {_reason(exc)}")
 
 
+def _unix_error(path: str, exc: OSError) -> StartupError:
+    """(server.shm's messages name --unix and the path; a few of the system's do not)"""
+    return StartupError(exc.strerror if (exc.strerror or "").startswith("--unix") else f"--unix {path}: {_reason(exc)}")
+
+
 def _check_bindable(host: str, port: int | None, flag: str) -> None:
     """Fail now if ``host:port`` cannot be bound (in use, foreign host), not after ``--capacity``
     is pre-faulted: minutes for a large one, and again at every restart by a supervisor."""
@@ -162,6 +167,11 @@ class Server:
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
         _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
         _check_bindable(config.host, config.metrics_port, "--metrics-port")
+        if config.unix:
+            try:
+                check_unix_path(config.unix)
+            except OSError as exc:
+                raise _unix_error(config.unix, exc) from None
         self.max_connections = config.max_connections  # (fitted to the open-file limit at the start)
         try:
             self.store = _make_store(config)
@@ -207,7 +217,7 @@ class Server:
             except ValueError as exc:  # ... one without the URL's database fails the start
                 await self.tier.close()
                 flag = "--redis-cluster" if self.config.redis_cluster else "--redis"
-                raise StartupError(f"{flag} {self.tier.target}: {exc}") from None
+                raise StartupError(f"{flag} {self.tier.target.removeprefix('cluster ')}: {exc}") from None
         reserve = FD_RESERVE + (self.tier.max_connections() if self.tier is not None else 0)
         self.max_connections = self.service.max_connections = _fit_open_file_limit(self.config.max_connections, reserve)
         try:
@@ -255,9 +265,8 @@ class Server:
             return
         try:
             sock = bind_unix_listener(path)
-        except OSError as exc:  # (its messages name --unix and the path, but for a few)
-            raise StartupError(exc.strerror if (exc.strerror or "").startswith("--unix") else
-                               f"--unix {path}: {_reason(exc)}") from None
+        except OSError as exc:
+            raise _unix_error(path, exc) from None
         self._unix_inode = os.stat(path).st_ino
         try:
             srv = await asyncio.get_running_loop().create_unix_server(self._new_connection, sock=sock, backlog=1024)

@@ -586,13 +586,19 @@ class RedisTier(Tier):
         ``/healthz`` and the stats, with Redis's answer).
 
         Raises:
-            ValueError: Redis has no database of the URL's number: no outage that waiting would end.
+            ValueError: Redis has no database of the URL's number, or --redis-cluster names a Redis
+                that is not in cluster mode: no outage that waiting would end.
         """
         try:
             await self._ping()
         except ResponseError as exc:
             if "DB index" in str(exc):  # ("DB index is out of range": SELECT of the URL's /N)
                 raise ValueError(f"Redis refused the URL's database: {_describe(exc)}") from None
+            self._mark_down(exc)
+        except RedisClusterException as exc:
+            if "Cluster mode is not enabled" in str(exc):  # (redis-py's words for a plain Redis)
+                raise ValueError("Redis is not in cluster mode there (a plain Redis: give it as --redis "
+                                 "redis://host:port)") from None
             self._mark_down(exc)
         except _REDIS_ERRORS as exc:
             self._mark_down(exc)

@@ -557,10 +557,26 @@ def bind_unix_listener(path: str) -> socket.socket:
     return sock
 
 
+def check_unix_path(path: str) -> None:
+    """Fail now on a ``--unix`` path that cannot be bound (a file that is not a socket, a live
+    server there, its folder missing or not writable), not after ``--capacity`` is pre-faulted.
+    A stale socket file goes now rather than at the bind.
+
+    Raises:
+        OSError: as :func:`bind_unix_listener` would.
+    """
+    _remove_stale(path)
+    folder = os.path.dirname(path) or "."
+    code = (errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR if not os.path.isdir(folder) else
+            errno.EACCES if not os.access(folder, os.W_OK | os.X_OK) else 0)
+    if code:
+        raise OSError(code, f"--unix {path}: {os.strerror(code)} (its folder must exist and be writable)")
+
+
 def _remove_stale(path: str) -> None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (the folder's fault: the bind or the check names it)
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise OSError(errno.EEXIST, f"--unix {path}: exists and is not a socket")

@@ -113,6 +113,14 @@ def test_a_unix_socket_in_a_missing_folder_does_not_blame_the_tcp_address(tmp_pa
     assert r.returncode == 2
     assert error_line(r, "kvstore-server") == \
         f"kvstore-server: --unix {path}: No such file or directory (its folder must exist and be writable)"
+    assert "pre-faulting" not in r.stderr  # (said after --capacity was mapped: seconds per GiB, every restart)
+    (tmp_path / "file").write_text("")
+    for path, why in ((tmp_path / "file", "exists and is not a socket"),
+                      (tmp_path / "file" / "kv.sock", "Not a directory (its folder must exist and be writable)")):
+        r = server_run("--unix", str(path))
+        assert r.returncode == 2
+        assert error_line(r, "kvstore-server") == f"kvstore-server: --unix {path}: {why}"
+        assert "pre-faulting" not in r.stderr
 
 
 def test_missing_tls_files_are_named_with_their_flag(tmp_path: Path, tls_files: dict[str, Path]) -> None:
@@ -185,6 +193,11 @@ def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> N
         assert r.returncode == 2
         assert error_line(r, "kvstore-server") == (f"kvstore-server: --redis redis://{redis.addr}/99: Redis refused "
                                                    "the URL's database: ResponseError: DB index is out of range")
+        r = server_run("--redis-cluster", redis.addr)  # a plain Redis (it started, degraded for good)
+        assert r.returncode == 2
+        assert error_line(r, "kvstore-server") == (f"kvstore-server: --redis-cluster {redis.addr}: Redis is not in "
+                                                   "cluster mode there (a plain Redis: give it as --redis "
+                                                   "redis://host:port)")
     finally:
         redis.stop()
 
