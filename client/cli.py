@@ -75,6 +75,10 @@ def _lines(text: str) -> int:
 def _namespace(text: str) -> str:
     if not 1 <= len(text) <= 256:  # what HELLO accepts (kvstore/messages.py)
         raise argparse.ArgumentTypeError(f"expected a namespace of 1..256 characters, got {text!r}")
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # (bytes the locale could not decode arrive as surrogates)
+        raise argparse.ArgumentTypeError(f"expected a namespace in UTF-8, got {text!r}") from None
     return text
 
 
@@ -376,15 +380,24 @@ async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> i
     elif args.hex:
         print(bytes(blob).hex(), file=out)
     else:
+        stdout = _open_stream(sys.stdout, "stdout", "give -o FILE")
         out.flush()
-        sys.stdout.buffer.write(blob)
-        sys.stdout.buffer.flush()
+        stdout.buffer.write(blob)
+        stdout.buffer.flush()
     return 0
+
+
+def _open_stream(stream: TextIO | None, name: str, instead: str) -> TextIO:
+    """(Python sets a stream closed at start -- cron, ``<&-`` -- to None)"""
+    if stream is None:
+        raise Failure(f"{name} is closed: {instead}")
+    return stream
 
 
 async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
     key = parse_key(args.key)
-    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    data = (_open_stream(sys.stdin, "stdin", "give a FILE").buffer.read() if args.file == "-"
+            else Path(args.file).read_bytes())
     res = await kv.put([key], [data])
     if res.statuses[0] == "existed":  # (the stored block stays; its size is not this file's)
         print(f"existed: {key.hex()} in namespace {args.namespace!r}, kept as it was (blocks are immutable: "
@@ -421,7 +434,7 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
         else:  # not among the largest the server lists
             what = "all blocks"
         print(f"Delete {what} of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
-        answer = sys.stdin.readline().strip().lower()
+        answer = _open_stream(sys.stdin, "stdin", "give --yes to flush without asking").readline().strip().lower()
         if answer not in ("y", "yes"):
             print("not flushed", file=out)
             return 1

@@ -285,6 +285,23 @@ def test_an_empty_namespace_is_a_usage_error_against_a_live_server(server: Serve
     assert r.returncode == 2 and "bad KVSTORE_NAMESPACE=" in error_line(r, "kvstore-cli")
     r = cli("--addr", server.addr, "ping", "-c", "0")
     assert r.returncode == 2 and "PONG" not in r.stdout
+    r = subprocess.run([bytes(BIN / "kvstore-cli"), b"--addr", server.addr.encode(), b"-n", b"\xe9t\xe9", b"stats"],
+                       capture_output=True, text=True, timeout=30, env=clean_env(), stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "expected a namespace in UTF-8" in r.stderr, r.stderr  # (was exit 1 from HELLO)
+
+
+@pytest.mark.parametrize(("command", "closed", "expected"), [
+    ("get 01", ">&-", "stdout is closed: give -o FILE"),
+    ("put 02 -", "<&-", "stdin is closed: give a FILE"),
+    ("flush -n cron", "<&-", "stdin is closed: give --yes to flush without asking"),
+])
+def test_a_closed_stdin_or_stdout_is_one_line_not_a_traceback(server: ServerProcess, command: str, closed: str,
+                                                               expected: str) -> None:
+    """(a cron job, a supervisor closing descriptors: AttributeError on None, with a traceback)"""
+    assert cli("--addr", server.addr, "put", "01", "/dev/null").returncode == 0  # (get needs a block)
+    r = subprocess.run(["bash", "-c", f'"$0" --addr {server.addr} {command} {closed}', str(BIN / "kvstore-cli")],
+                       capture_output=True, text=True, timeout=30, env=clean_env())
+    assert r.returncode == 1 and error_line(r, "kvstore-cli") == f"kvstore-cli: {expected}"
 
 
 def test_a_bad_cli_environment_value_names_the_variable_not_python() -> None:
