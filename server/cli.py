@@ -54,6 +54,15 @@ def _positive_size(text: str) -> int:
     return size
 
 
+def _page_size(text: str) -> int:
+    """At least 4 KiB, the memory's own page: each page costs the store bookkeeping (``--page-size 1``
+    was taken: a byte of page map per page, as much again as the block memory)."""
+    size = _size(text)
+    if size < 4096:
+        raise argparse.ArgumentTypeError(f"expected a size >= 4KiB, got {text!r}")
+    return size
+
+
 def _size_text(n: int) -> str:
     """A byte count as --capacity takes it: 1073741824 -> ``1GiB``, 65536 -> ``64KiB``; others as they are."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -135,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", _port, d.port, "TCP port (0 = any free port)")
     add("--capacity", _positive_size, d.capacity, "bytes of block memory, e.g. 512MiB, 4GiB")
     add("--eviction", _policy, d.eviction, f"eviction policy: {' or '.join(POLICIES)}")
-    add("--page-size", _positive_size, d.page_size, "allocation unit of the block arena")
+    add("--page-size", _page_size, d.page_size, "allocation unit of the block arena")
     add("--lease-seconds", _lease, d.lease_seconds, "how long a pinned prefix lookup protects its blocks")
     add("--max-lease-seconds", _lease, d.max_lease_seconds,
         "the longest lease a client may ask for (longer ones are cut to it; leased blocks cannot be evicted); "

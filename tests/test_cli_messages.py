@@ -235,7 +235,8 @@ def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Pat
     ("--idle-timeout", "5m", "a number of seconds >= 0"),
     ("--lease-seconds", "x", "a number of seconds > 0"),
     ("--redis-timeout", "x", "a number of seconds > 0"),
-    ("--page-size", "0", "a size > 0"),  # (was the arena's "page_size must be a positive int": no flag)
+    ("--page-size", "0", "a size >= 4KiB"),  # (was the arena's "page_size must be a positive int": no flag)
+    ("--page-size", "3", "a size >= 4KiB"),  # (taken: a byte of page map per byte of block memory)
 ])
 def test_server_flag_errors_say_what_was_expected(flag: str, value: str, expected: str) -> None:
     r = server_run(flag, value)
