@@ -172,6 +172,15 @@ def test_bad_tokens_and_extras_are_refused() -> None:
     assert chain.num_tokens == 1  # unchanged by the refused call
     assert canonical_bytes(1) != canonical_bytes("1") != canonical_bytes(b"1")
     assert canonical_bytes(True) != canonical_bytes(1)
+    # a numpy or torch integer is the int it holds (np.int64 was refused), a float stays refused
+    import numpy as np
+    import torch
+
+    assert canonical_bytes((np.int64(7), torch.tensor(-3))) == canonical_bytes((7, -3))
+    assert h.keys([1, 2], extra=np.int32(5)) == h.keys([1, 2], extra=5)
+    for bad in (np.float32(1.0), torch.tensor(1.5)):
+        with pytest.raises(TypeError, match="canonically"):
+            canonical_bytes(bad)
 
 
 def test_namespace_is_readable_and_fingerprints_every_field() -> None:
