@@ -5,6 +5,7 @@ The same behaviour against a real server is in ``test_seed_scenario.py``.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvstore.engine.hashing import BlockHasher
@@ -346,6 +347,9 @@ def test_misuse_is_refused() -> None:
         s.add_request("pairs", range(8), [("do_remote_decode", True)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="answered None"):
         s.num_external_tokens("r", 0, lambda keys: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="answered 1.0"):
+        s.num_external_tokens("r", 0, lambda keys: 1.0)  # type: ignore[arg-type,return-value]
+    assert s.num_external_tokens("r", 0, lambda keys: np.int64(0)) == 0  # (a numpy count is a count)
     for size in (4.0, True, "4"):  # (4.0 from a "/" was taken, and failed at the first on_alloc)
         with pytest.raises(ValueError, match="gpu_block_size must be an integer"):
             OffloadScheduler(BlockHasher(8), size)  # type: ignore[arg-type]

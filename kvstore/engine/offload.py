@@ -39,6 +39,7 @@ last block behind).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -194,9 +195,13 @@ class OffloadScheduler:
         candidates = req.chain.slice(start, len(req.chain))
         if not candidates:
             return 0
-        hits = lookup(candidates)
-        if not isinstance(hits, int) or not 0 <= hits <= len(candidates):  # (None: a lookup that returned nothing)
-            raise ValueError(f"lookup of {len(candidates)} keys answered {hits!r}, not a count of 0 to {len(candidates)}")
+        answer = lookup(candidates)
+        try:  # (None: a lookup that returned nothing; a numpy integer is a count)
+            hits = operator.index(answer)
+        except TypeError:
+            hits = -1
+        if not 0 <= hits <= len(candidates):
+            raise ValueError(f"lookup of {len(candidates)} keys answered {answer!r}, not a count of 0 to {len(candidates)}")
         self._unuse(req.found)  # a lookup asked again: the last one's finds go unused
         req.found = tuple(candidates[:hits])
         if hits == 0:
