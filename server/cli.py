@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
         env_default = _env_default(p, dest, default, convert, kw.get("choices"))
-        shown = _size_text(default) if convert in (_size, _positive_size) else "unset" if default is None else default
+        shown = _size_text(default) if convert in (_size, _positive_size, _page_size) else "unset" if default is None else default
         p.add_argument(flag, dest=dest, type=convert, default=env_default,
                        help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {shown}]", **kw)
 

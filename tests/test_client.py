@@ -296,7 +296,7 @@ async def test_unusable_arguments_raise_typed_errors_and_leave_nothing_pending()
                 await kv.get_into(k, [torch.zeros(4)])
             with pytest.raises(BlockSizeError, match="writable contiguous"):  # (a buffer, unfit)
                 await kv.get_into(k, [b"abcd"])
-            with pytest.raises(InvalidRequest, match="encode"):
+            with pytest.raises(InvalidRequest, match="lease_ms must be"):  # (before the encoder says "encode")
                 await kv.lookup(k, pin=True, lease_ms=2**70)
             assert kv.nodes[0].conns[0].in_flight == 0
             assert await kv.lookup(k) == 1
