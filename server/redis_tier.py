@@ -596,8 +596,9 @@ class RedisTier(Tier):
                 raise ValueError(f"Redis refused the URL's database: {_describe(exc)}") from None
             self._mark_down(exc)
         except RedisClusterException as exc:
-            if "Cluster mode is not enabled" in str(exc):  # (redis-py's words for a plain Redis)
-                raise ValueError("Redis is not in cluster mode there (a plain Redis: give it as --redis "
+            plain = await self._plain_seed()
+            if plain is not None:
+                raise ValueError(f"{plain} is not in cluster mode (a plain Redis: give it as --redis "
                                  "redis://host:port)") from None
             self._mark_down(exc)
         except _REDIS_ERRORS as exc:
@@ -608,6 +609,23 @@ class RedisTier(Tier):
             log.info("redis tier %s: %s, ttl=%s", self.target, self.mode, f"{self.ttl_s}s" if self.ttl_s else "none")
         if not self.write_through:
             self._flusher = asyncio.create_task(self._flush_loop(), name="redis-write-behind")
+
+    async def _plain_seed(self) -> str | None:
+        """A seed of --redis-cluster that answers as a plain Redis (``cluster_enabled:0``), if any.
+
+        Asked of every seed: redis-py tries them in a random order and reports only the last
+        failure, and it words any refused ``CLUSTER SLOTS`` (an ACL's ``NOPERM`` too) as "cluster
+        mode is not enabled". A seed that is down or refuses ``INFO`` tells nothing.
+        """
+        assert isinstance(self.client, RedisCluster)
+        for node in list(self.client.nodes_manager.startup_nodes.values()):
+            try:
+                info = await asyncio.wait_for(node.execute_command("INFO", "cluster"), self.timeout_s)
+            except (*_REDIS_ERRORS, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("cluster_enabled") == 0:
+                return str(node.name)
+        return None
 
     async def _read_bulk_limit(self) -> None:
         """Take Redis's proto-max-bulk-len where CONFIG GET is allowed (else its default, 512 MB)."""

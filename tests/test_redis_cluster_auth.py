@@ -146,6 +146,21 @@ async def test_the_password_never_shows_when_the_cluster_fails(auth_cluster: Sec
             assert "invalid username-password pair" in tier["last_error"]  # Redis' answer, no password in it
 
 
+def test_a_cluster_user_refused_cluster_slots_starts_degraded_not_called_a_plain_redis(
+        auth_cluster: SecureCluster, make_server) -> None:  # type: ignore[no-untyped-def]
+    """redis-py words any refused CLUSTER SLOTS (here an ACL's NOPERM) as "cluster mode is not
+    enabled": the start ended (exit 2, which systemd does not restart) saying a plain Redis."""
+    for node in auth_cluster.nodes:
+        node.cli("ACL", "SETUSER", "nocluster", "on", ">pw-nocluster", "~*", "+@all", "-cluster")
+    try:
+        srv = make_server("--capacity", MEM, "--redis-cluster", f"redis://nocluster:pw-nocluster@{auth_cluster.nodes[0].addr}")
+        srv.wait_log("redis tier degraded")  # (an outage: it heals when the user is given CLUSTER)
+        assert srv.proc is not None and srv.proc.poll() is None
+    finally:
+        for node in auth_cluster.nodes:
+            node.cli("ACL", "DELUSER", "nocluster")
+
+
 @pytest.mark.parametrize("value", [
     f"redis://:{PASSWORD}@127.0.0.1",  # no port
     f"http://:{PASSWORD}@127.0.0.1:7000",
