@@ -548,7 +548,7 @@ def bind_unix_listener(path: str) -> socket.socket:
         os.chmod(path, SOCKET_MODE)
     except OSError as exc:  # name the path: the caller's message names the TCP address
         sock.close()
-        hint = " (its folder must exist and be writable)" if exc.errno in (errno.ENOENT, errno.EACCES, errno.EROFS) else ""
+        hint = " (its folder must exist and be writable)" if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EROFS) else ""
         raise OSError(exc.errno, f"--unix {path}: {exc.strerror or exc}{hint}") from None
     except BaseException:
         sock.close()
@@ -558,25 +558,22 @@ def bind_unix_listener(path: str) -> socket.socket:
 
 
 def check_unix_path(path: str) -> None:
-    """Fail now on a ``--unix`` path that cannot be bound (a file that is not a socket, a live
-    server there, its folder missing or not writable), not after ``--capacity`` is pre-faulted.
-    A stale socket file goes now rather than at the bind.
+    """Fail now on a ``--unix`` path that cannot be bound, not after ``--capacity`` is pre-faulted:
+    bound once and let go (a stale socket file goes now rather than later).
 
     Raises:
-        OSError: as :func:`bind_unix_listener` would.
+        OSError: as :func:`bind_unix_listener` does.
     """
-    _remove_stale(path)
-    folder = os.path.dirname(path) or "."
-    code = (errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR if not os.path.isdir(folder) else
-            errno.EACCES if not os.access(folder, os.W_OK | os.X_OK) else 0)
-    if code:
-        raise OSError(code, f"--unix {path}: {os.strerror(code)} (its folder must exist and be writable)")
+    bind_unix_listener(path).close()
+    os.unlink(path)
 
 
 def _remove_stale(path: str) -> None:
     try:
         st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):  # (the folder's fault: the bind or the check names it)
+    except (FileNotFoundError, NotADirectoryError):  # (the folder's fault: the bind names it)
+        if os.path.islink(path):  # (the bind would say "Address already in use")
+            raise OSError(errno.EEXIST, f"--unix {path}: exists, a symbolic link to nothing") from None
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise OSError(errno.EEXIST, f"--unix {path}: exists and is not a socket")

@@ -115,8 +115,11 @@ def test_a_unix_socket_in_a_missing_folder_does_not_blame_the_tcp_address(tmp_pa
         f"kvstore-server: --unix {path}: No such file or directory (its folder must exist and be writable)"
     assert "pre-faulting" not in r.stderr  # (said after --capacity was mapped: seconds per GiB, every restart)
     (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     for path, why in ((tmp_path / "file", "exists and is not a socket"),
-                      (tmp_path / "file" / "kv.sock", "Not a directory (its folder must exist and be writable)")):
+                      (tmp_path / "file" / "kv.sock", "Not a directory (its folder must exist and be writable)"),
+                      (tmp_path / ("x" * 110), "AF_UNIX path too long"),
+                      (tmp_path / "dangling", "exists, a symbolic link to nothing")):  # ("Address already in use")
         r = server_run("--unix", str(path))
         assert r.returncode == 2
         assert error_line(r, "kvstore-server") == f"kvstore-server: --unix {path}: {why}"
