@@ -53,7 +53,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 def canonical_bytes(value: object) -> bytes:
     """A canonical, type-tagged encoding of ``value`` for hashing.
 
-    Accepts None, bool, int (numpy's and torch's too), str, bytes-like and (nested) tuples/lists of those; dicts are
+    Accepts None, bool, int, str, bytes-like and (nested) tuples/lists of those, numpy and torch
+    values as the Python values they hold (``tolist()``: a tensor of ids is a list of ints); dicts are
     encoded with their items sorted by encoded key. Floats are refused: ``0.1 + 0.2`` style
     rounding would make equal-looking extras hash differently on different hosts.
 
@@ -88,12 +89,10 @@ def _encode(value: object, out: bytearray) -> None:
         out += b"D" + struct.pack("<I", len(items))
         for k, v in items:
             out += k + v
+    elif hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy and torch values: as the Python
+        _encode(value.tolist(), out)  # ones they hold (np.int64(7) is 7, a tensor of ids a list of ints)
     else:
-        try:  # a numpy or torch integer hashes as the int it is, as token ids do
-            index = operator.index(value)  # type: ignore[call-overload]
-        except TypeError:
-            raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}") from None
-        _encode(index, out)
+        raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}")
 
 
 def whole_number(value: object, name: str) -> int:
