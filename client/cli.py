@@ -380,10 +380,9 @@ async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> i
     elif args.hex:
         print(bytes(blob).hex(), file=out)
     else:
-        stdout = _open_stream(sys.stdout, "stdout", "give -o FILE")
         out.flush()
-        stdout.buffer.write(blob)
-        stdout.buffer.flush()
+        sys.stdout.buffer.write(blob)
+        sys.stdout.buffer.flush()
     return 0
 
 
@@ -484,7 +483,14 @@ def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+#: Commands whose answer is what they print: with stdout closed (cron, ``>&-``) they would succeed unseen.
+SHOWING = ("stats", "namespaces", "watch", "get")
+
+
 async def _run(args: argparse.Namespace) -> int:
+    if sys.stdout is None and args.command in SHOWING and not getattr(args, "output", None):
+        raise Failure("stdout is closed: " + ("give -o FILE" if args.command == "get" else
+                                              f"{args.command} has nowhere to show its answer"))
     kv = make_client(args)
     try:
         if args.command != "ping":  # (ping connects its own way: without a token, no HELLO)

@@ -451,8 +451,8 @@ class TransferExecutor:
                      job.job_id, job.req_id, len(keys), why)
         try:
             self.client.delete(keys)
-        except KVStoreError as exc:
-            logger.warning("could not delete the blocks load %d could not load: %s", job.job_id, exc)
+        except Exception as exc:  # (any: the load's error is the one to report; a client may lack delete)
+            logger.warning("could not delete the blocks load %d could not load: %r", job.job_id, exc)
 
     def store(self, job: StoreJob) -> None:
         """Gather and put one store; raises what the client raises."""
