@@ -1044,9 +1044,11 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         except KVStoreError as exc:
             self.store_failures += 1
             logger.warning("kvstore: store job %d failed, its chunks stay uncached: %s", job_id, exc)
+            return TransferResult(job_id=job_id, success=True)  # (no size: vLLM's metrics count what moved)
         except Exception:
             self.store_failures += 1
             logger.exception("kvstore: store job %d crashed, its chunks stay uncached", job_id)
+            return TransferResult(job_id=job_id, success=True)
         finally:  # put has returned: the server has the bytes, or will never get them
             self._unstage(staged)
         return TransferResult(job_id=job_id, success=True, transfer_size=staged.nbytes,
