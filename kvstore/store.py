@@ -306,11 +306,13 @@ class BlockStore:
         self._reserved_pages += pages
         return Reservation(ns, key, size, checksum, self._arena, extent, pages)
 
-    def commit(self, res: Reservation, parent: bytes | None = None) -> bool:
+    def commit(self, res: Reservation, parent: bytes | None = None, *, counted: bool = True) -> bool:
         """Publish a filled reservation.
 
         Args:
             parent: the key before this one in its chain (same namespace), if known.
+            counted: count it in ``stored`` now; False for a block a lower tier may still
+                refuse (see :meth:`count_stored`), so that the count never goes back.
 
         Returns:
             True if stored; False if the key was committed meanwhile by another
@@ -337,7 +339,8 @@ class BlockStore:
         self._payload += block.size
         self._index_pages += block.pages
         self._ns_bytes[res.ns] += block.size
-        self._events["stored"] += 1
+        if counted:
+            self._events["stored"] += 1
         parent_block = ns_blocks.get(parent) if parent is not None and parent != res.key else None
         if parent_block is None:
             block.stranded = parent is not None and parent != res.key  # its predecessor is gone
@@ -350,6 +353,10 @@ class BlockStore:
             self._stranded += 1
             self._policy.demote(block.pkey)
         return True
+
+    def count_stored(self, n: int) -> None:
+        """Count ``n`` blocks committed uncounted as stored (a lower tier took them)."""
+        self._events["stored"] += n
 
     def abort(self, res: Reservation) -> None:
         """Free a reservation whose payload never arrived (no-op once closed).

@@ -848,6 +848,9 @@ class RedisTier(Tier):
         self.counters["stored_blocks"] += len(items)
         self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
 
+    def refusal(self) -> Unavailable | None:
+        return self._unavailable() if self.write_through and not self._up.is_set() else None
+
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:
         """Write-through: one pipelined round trip. Write-behind: copy into the queue; while it is
         full, wait for room if Redis is up (back-pressure), fail at once if it is down.

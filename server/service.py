@@ -117,8 +117,11 @@ class PutSink:
         try:
             if limit is not None and self.sizes[i] > limit:  # acknowledged, it could never reach the tier
                 raise TooLarge(f"a block of {self.sizes[i]} bytes is over the {limit} the backing tier takes")
+            refusal = self.tier.refusal() if self.tier is not None else None
+            if refusal is not None and not self.store.exists(self.ns, [self.msg.keys[i]])[0]:
+                raise refusal  # (reserving would evict blocks of memory for a block then dropped)
             res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
-        except (CapacityError, TooLarge, InvalidRequest) as exc:
+        except (CapacityError, TooLarge, InvalidRequest, Unavailable) as exc:
             self.status[i] = exc.code
             self.errors[i] = str(exc)
             return None
@@ -143,8 +146,8 @@ class PutSink:
             self.reserve(i)
         self.empty = []
         for i, res in enumerate(self.reservations):
-            if res is not None:
-                stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent)
+            if res is not None:  # (with a tier, counted stored once it has them: it may refuse)
+                stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent, counted=self.tier is None)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
         self._release_existing()
@@ -206,6 +209,7 @@ class PutSink:
                       for i, ref in zip(idx, refs) if ref is not None]
             assert self.tier is not None
             await self.tier.store(self.ns, blocks)
+            self.store.count_stored(len(blocks))
         except Exception as exc:
             failure = exc if isinstance(exc, Unavailable) else None
             if failure is None:  # a bug in the tier: these blocks must not stay acknowledged-less either

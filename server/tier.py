@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Awaitable, Sequence
 
+from kvstore.errors import Unavailable
+
 
 @dataclass(frozen=True)
 class TierBlock:
@@ -40,6 +42,11 @@ class Tier(ABC):
 
     def give_up(self) -> None:
         """Make a :meth:`close` in progress stop flushing now (the operator asked again)."""
+
+    def refusal(self) -> Unavailable | None:
+        """The error :meth:`store` would raise now without trying (write-through while the backend
+        is known down), else None: a put then evicts nothing from memory for blocks it must drop."""
+        return None
 
     @abstractmethod
     async def store(self, ns: str, blocks: Sequence[TierBlock]) -> None:

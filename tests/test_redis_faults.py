@@ -124,6 +124,38 @@ async def test_write_behind_put_fails_at_once_when_the_queue_is_full_and_redis_d
         redis.stop()
 
 
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_puts_refused_in_an_outage_are_not_counted_stored_nor_evict_memory(make_redis, make_server,
+                                                                                  mode: str) -> None:
+    """In an outage every refused block was counted in kvstore_stored_blocks_total, and in
+    write-through a refused put into a full memory evicted a good block to make room for one it
+    then dropped."""
+    redis = make_redis()
+    srv = make_server("--capacity", "1MiB", "--page-size", "64KiB", "--redis", redis.url, "--redis-mode", mode,
+                      "--redis-queue-bytes", "100000", "--redis-timeout", "1")
+    hot, new = chain(16, "hot"), chain(12, "new")
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=20) as kv:
+        assert (await kv.put(hot, blocks(hot, 60_000))).stored == 16  # memory full
+        await until_stats(kv, "the queue to drain", tier_is(backlog_blocks=0))
+        redis.stop()
+        await until_stats(kv, "the tier to be degraded", tier_is(state="degraded"))
+        before = await kv.stats()
+        refused = 0
+        for k in new:
+            try:
+                await kv.put([k], blocks([k], 60_000))
+            except Unavailable:
+                refused += 1
+        after = await kv.stats()
+    stored = after["store"]["stored"] - before["store"]["stored"]
+    if mode == "write-through":
+        assert after["store"]["evictions"] == before["store"]["evictions"]
+        assert after["store"]["blocks"] == 16
+        assert refused == 12 and stored == 0
+    else:  # the queue took one block of 60 KB (100,000 bytes), then was full
+        assert refused == 11 and stored == 1  # (12 were counted)
+
+
 async def test_the_write_behind_backlog_of_an_outage_leaves_no_rss_behind_once_written(tmp_path: Path,
                                                                                          make_server) -> None:
     """RSS stayed at the backlog's peak after an outage had drained (+176 MiB, from the second
