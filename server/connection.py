@@ -206,6 +206,7 @@ class Connection(asyncio.BufferedProtocol):
                 assert self.transport is not None
                 self.service.shm.attach(self.session, self.transport, frame.request_id)
                 self.service.counters.count(name)
+                self.service.counters.latency.observe(name, time.perf_counter() - t0)
                 return
             if isinstance(msg, Put):
                 self.put_sink = self.service.begin_put(self.session, msg)

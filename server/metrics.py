@@ -68,6 +68,7 @@ _TIER_COUNTERS = {
 
 #: Tier metrics exist only when the server has a backing tier.
 TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks",
+                "kvstore_tier_backlog_limit_bytes",
                 *(f"kvstore_tier_{name}_total" for name in _TIER_COUNTERS))
 
 
@@ -237,6 +238,8 @@ def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
                             value=tier.get("backlog_bytes", 0))
     yield GaugeMetricFamily("kvstore_tier_backlog_blocks", "Write-behind blocks not yet in the tier",
                             value=tier.get("backlog_blocks", 0))
+    yield GaugeMetricFamily("kvstore_tier_backlog_limit_bytes", "The most write-behind bytes held (--redis-queue-bytes)",
+                            value=tier.get("queue_limit_bytes", 0))
     for field, doc in _TIER_COUNTERS.items():
         if field in tier:
             yield CounterMetricFamily(f"kvstore_tier_{field}", doc, value=tier[field])

@@ -21,6 +21,7 @@ from kvstore.protocol import Get, Hello, Lookup, Put, encode
 from kvstore.server.cli import config_from_args
 from kvstore.server.metrics import TIER_METRICS
 from redis_fixtures import redis_server, reserved_bytes, wait_until  # noqa: F401  (redis_server: a fixture)
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -163,7 +164,7 @@ def test_a_down_redis_tier_is_unhealthy_but_still_ready(make_server, metrics_url
 
 async def test_healthz_and_tier_metrics_with_a_live_redis(make_server, metrics_url, redis_server) -> None:
     srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--redis", redis_server.url,
-                      "--redis-mode", "write-behind")
+                      "--redis-mode", "write-behind", "--redis-queue-bytes", "3MiB")
     base = metrics_url(srv)
     status, _, body = http(base + "/healthz")
     assert status == 200 and json.loads(body) == {"status": "ok", "tier": "ok"}
@@ -174,6 +175,7 @@ async def test_healthz_and_tier_metrics_with_a_live_redis(make_server, metrics_u
     assert value(samples, "kvstore_tier_state", state="ok", mode="write-behind") == 1
     assert value(samples, "kvstore_tier_backlog_blocks") >= 0
     assert value(samples, "kvstore_tier_backlog_bytes") >= 0
+    assert value(samples, "kvstore_tier_backlog_limit_bytes") == 3 << 20  # (the alert's 0.8 x limit, from /metrics)
 
 
 async def test_failed_put_blocks_and_a_redis_refusing_writes_show_in_metrics(make_server, metrics_url,
@@ -263,3 +265,18 @@ def test_labelled_counters_start_at_zero_so_a_first_burst_shows_in_rate(make_ser
     after = scrape(base)
     assert value(after, "kvstore_put_failed_blocks_total", error="TooLarge") == 5
     assert value(after, "kvstore_requests_total", op="put") == 1
+
+
+async def test_every_counted_request_is_timed_shm_attach_too(make_server, metrics_url, unix_path: str) -> None:
+    """(an attach was counted in kvstore_requests_total but never timed: the latency panel and a
+    p99-by-op alert did not see it)"""
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--unix", unix_path)
+    base = metrics_url(srv)
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="t") as kv:
+        await kv.put([key(1, "attach")], [b"x" * 300_000])  # (over shared memory: attached first)
+    samples = scrape(base)
+    def per_op(metric: str) -> dict[str, float]:  # (every op has a series: those that ran)
+        return {dict(labels)["op"]: v for (name, labels), v in samples.items() if name == metric and v}
+
+    requests = per_op("kvstore_requests_total")
+    assert requests["shm_attach"] >= 1 and per_op("kvstore_request_duration_seconds_count") == requests
