@@ -1005,16 +1005,21 @@ class RedisTier(Tier):
                                        block_key(ns, key))
         return data, checksum
 
-    async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
         """Per key: queued, or in Redis with a kvstore value header (one pipelined round of
         ``GETRANGE key 0 15``: a foreign value or type is absent, as a GET would find it;
-        damage inside the block shows only when the client checks its checksum)."""
+        damage inside the block shows only when the client checks its checksum). Redis down:
+        absent, or with ``strict`` ``Unavailable``."""
         out = [bool(len(self.queue)) and self.queue.get(ns, k) is not None for k in keys]
         ask = [i for i, p in enumerate(out) if not p]
+        if ask and strict and not self._up.is_set():
+            raise self._unavailable()
         if ask and self._up.is_set():
             try:
                 heads = await self._execute([("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1) for i in ask])
             except Unavailable:
+                if strict:
+                    raise
                 heads = [b""] * len(ask)
             for i, head in zip(ask, heads):
                 decoded = decode_value(head) if isinstance(head, bytes) else None

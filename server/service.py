@@ -100,7 +100,7 @@ class PutSink:
         self.status: list[int] = [STORED] * len(msg.keys)
         self.errors: dict[int, str] = {}
         self.reservations: list[Reservation | None] = [None] * len(msg.keys)
-        self.existing: list[BlockRef] = []  # pinned until the commit
+        self.existing: dict[int, BlockRef] = {}  # pinned until the commit (write-through: its tier check)
         self.empty: list[int] = []  # reserved at the commit
 
     def target(self, i: int) -> list[memoryview] | None:
@@ -129,7 +129,7 @@ class PutSink:
             self.status[i] = EXISTED
             ref = self.store.acquire(self.ns, self.msg.keys[i])
             if ref is not None:
-                self.existing.append(ref)
+                self.existing[i] = ref
             return None
         self.reservations[i] = res
         return res
@@ -150,8 +150,9 @@ class PutSink:
                 stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent, counted=self.tier is None)
                 self.status[i] = STORED if stored else EXISTED
         self.reservations = []
-        self._release_existing()
+        existing, self.existing = self.existing, {}
         if self.tier is None:
+            self.store.release_many(existing.values())
             return self._answer()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
@@ -159,7 +160,12 @@ class PutSink:
             fut = self.tier_writes.get((self.ns, keys[i])) if st == EXISTED else None
             if fut is not None:
                 others[i] = fut
-        if not stored_idx and not others:
+        # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
+        # restarted without persistence, a key expired or evicted there), pinned meanwhile.
+        recheck = ({i: ref for i, ref in existing.items() if self.status[i] == EXISTED and i not in others}
+                   if self.tier.write_through and self.tier.refusal() is None else {})
+        self.store.release_many(ref for i, ref in existing.items() if i not in recheck)
+        if not stored_idx and not others and not recheck:
             return self._answer()
         mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
         for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
@@ -167,16 +173,19 @@ class PutSink:
         # Pinned now, as they become visible: before the tier write's first step, other connections'
         # puts could evict them, and a block gone from memory was left out of the write, acknowledged.
         refs = self.store.acquire_many(self.ns, [keys[i] for i in stored_idx])
-        return self._store_in_tier(stored_idx, refs, mine, others)
+        return self._store_in_tier(stored_idx, refs, mine, others, recheck)
 
     async def _store_in_tier(self, idx: list[int], refs: list[BlockRef | None], mine: asyncio.Future[Unavailable | None],
-                             others: dict[int, asyncio.Future[Unavailable | None]]) -> Fields:
+                             others: dict[int, asyncio.Future[Unavailable | None]],
+                             recheck: dict[int, BlockRef]) -> Fields:
         keys = [self.msg.keys[i] for i in idx]
         failure: Unavailable | None = Unavailable("the tier write of this block did not finish")
         try:
-            failure = await self._write_to_tier(idx, refs) if idx else None
+            again = await self._missing_in_tier(recheck)
+            failure = await self._write_to_tier(idx, refs, again) if idx or again else None
         finally:  # (anything else raised, or cancelled: the PUTs waiting on it fail too)
             self.store.release_many([ref for ref in refs if ref is not None])
+            self.store.release_many(recheck.values())
             mine.set_result(failure)
             for k in keys:
                 if self.tier_writes.get((self.ns, k)) is mine:
@@ -199,17 +208,34 @@ class PutSink:
                     self.failed_blocks[name] = self.failed_blocks.get(name, 0) + 1
         return self.fields()
 
-    async def _write_to_tier(self, idx: list[int], refs: list[BlockRef | None]) -> Unavailable | None:
-        """Hand the blocks ``idx`` (pinned by ``refs`` since their commit) to the tier; on failure
-        drop them from memory and return the error."""
+    async def _missing_in_tier(self, recheck: dict[int, BlockRef]) -> dict[int, BlockRef]:
+        """Of the "existed" blocks ``recheck``, those the tier lacks (none if it cannot say)."""
+        if not recheck:
+            return {}
+        assert self.tier is not None
+        try:
+            present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True)
+        except Unavailable:  # (as before the check: acknowledged from memory)
+            return {}
+        return {i: ref for (i, ref), p in zip(recheck.items(), present) if not p}
+
+    async def _write_to_tier(self, idx: list[int], refs: list[BlockRef | None],
+                             again: dict[int, BlockRef] | None = None) -> Unavailable | None:
+        """Hand the blocks ``idx`` (pinned by ``refs`` since their commit), and ``again`` (stored
+        before, missing in the tier), to the tier; on failure drop ``idx`` from memory, fail both
+        and return the error."""
+        again = again or {}
         try:
             if not all(refs):  # (cannot happen: committed and pinned in one step)
                 raise Unavailable("a block left memory before it could be written to the tier")
-            blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
-                      for i, ref in zip(idx, refs) if ref is not None]
+            pairs = [*((i, ref) for i, ref in zip(idx, refs) if ref is not None), *again.items()]
+            blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in pairs]
             assert self.tier is not None
             await self.tier.store(self.ns, blocks)
-            self.store.count_stored(len(blocks))
+            self.store.count_stored(len(idx))
+            if again:
+                log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
+                         "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
         except Exception as exc:
             failure = exc if isinstance(exc, Unavailable) else None
             if failure is None:  # a bug in the tier: these blocks must not stay acknowledged-less either
@@ -217,7 +243,7 @@ class PutSink:
                 failure = Unavailable(f"the backing tier failed to store the blocks ({type(exc).__name__}: {exc})")
             # Not acknowledged, so not kept: a retry must store it again rather than find it "existed".
             self.store.delete(self.ns, [self.msg.keys[i] for i in idx])
-            for i in idx:
+            for i in [*idx, *again]:  # (those of ``again`` stay in memory: a retry checks them again)
                 self.status[i] = failure.code
                 self.errors[i] = str(failure)
             return failure
@@ -239,8 +265,8 @@ class PutSink:
         self._release_existing()
 
     def _release_existing(self) -> None:
-        existing, self.existing = self.existing, []
-        self.store.release_many(existing)
+        existing, self.existing = self.existing, {}
+        self.store.release_many(existing.values())
         self.reservations = []
 
 

@@ -130,6 +130,36 @@ async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server:
             assert payloads(await kv.get(keys)) == data  # 8 from memory, 4 from Redis
 
 
+async def test_a_block_put_again_that_redis_lost_is_written_again_not_just_called_existed(
+        make_redis, make_server) -> None:  # type: ignore[no-untyped-def]
+    """Write-through acknowledges a put once Redis has its blocks. A block still in memory that Redis
+    had lost (restarted without persistence; a key expired, evicted or deleted there) was answered
+    "existed" and left out of Redis: the next restart of the server lost it, acknowledged."""
+    redis = make_redis()
+    keys = chain(6, "lost")
+    data = blocks(keys, 50_000)
+    with ServerProcess("--capacity", MEM, "--redis", redis.url) as first:
+        async with AsyncKVClient(first.addr, namespace=NS) as kv:
+            assert (await kv.put(keys[:4], data[:4])).stored == 4
+            redis.stop()  # no persistence: Redis comes back empty
+            redis.start()
+
+            async def tier_ok() -> bool:  # (it may never have noticed: a restart between two calls)
+                return bool((await kv.stats())["tier"]["state"] == "ok")
+
+            await eventually(tier_ok, 20, "the tier to be ok")
+            before = await kv.stats()
+            res = await kv.put(keys, data)  # 4 in memory, missing in Redis, and 2 new
+            assert res.statuses == ["existed"] * 4 + ["stored"] * 2
+            after = await kv.stats()
+        assert [redis.cli("EXISTS", block_key(NS, k)) for k in keys] == ["1"] * 6
+        assert after["store"]["stored"] - before["store"]["stored"] == 2  # (written again, not stored again)
+        first.stop(signal.SIGKILL)
+    with ServerProcess("--capacity", MEM, "--redis", redis.url) as second:
+        async with AsyncKVClient(second.addr, namespace=NS) as kv:
+            assert payloads(await kv.get(keys)) == data  # every acknowledged block
+
+
 async def test_block_corrupted_in_redis_is_reported_by_the_client(redis_server: RedisProcess, make_server) -> None:
     keys, data = await written_to_redis(make_server, redis_server, "corrupt", 2)
     other = "A" if data[1][10] != ord("A") else "B"
