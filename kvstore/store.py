@@ -290,7 +290,7 @@ class BlockStore:
         """
         _check_ns(ns)
         check_key(key)
-        self._check_size(size)
+        self.check_size(size)
         ns_blocks = self._blocks.get(ns, {})
         block = ns_blocks.get(key)
         if block is not None:
@@ -655,7 +655,8 @@ class BlockStore:
     def _pages(self, size: int) -> int:
         return max(1, -(-size // self._arena.page_size))
 
-    def _check_size(self, size: object) -> None:
+    def check_size(self, size: object) -> None:
+        """Raises what :meth:`reserve` raises for a size no block may have here."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidRequest(f"a block size must be an int >= 0, got {size!r}")
         if size > self._max_block:

@@ -119,6 +119,7 @@ class PutSink:
                 raise TooLarge(f"a block of {self.sizes[i]} bytes is over the {limit} the backing tier takes")
             refusal = self.tier.refusal() if self.tier is not None else None
             if refusal is not None and not self.store.exists(self.ns, [self.msg.keys[i]])[0]:
+                self.store.check_size(self.sizes[i])  # (a block that can never be stored says so first)
                 raise refusal  # (reserving would evict blocks of memory for a block then dropped)
             res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
         except (CapacityError, TooLarge, InvalidRequest, Unavailable) as exc:

@@ -147,6 +147,8 @@ async def test_puts_refused_in_an_outage_are_not_counted_stored_nor_evict_memory
             except Unavailable:
                 refused += 1
         after = await kv.stats()
+        with pytest.raises(TooLarge):  # (not Unavailable, "send it again later": it can never be stored)
+            await kv.put(chain(1, "huge"), [b"x" * (2 << 20)])
     stored = after["store"]["stored"] - before["store"]["stored"]
     if mode == "write-through":
         assert after["store"]["evictions"] == before["store"]["evictions"]
