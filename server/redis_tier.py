@@ -598,8 +598,8 @@ class RedisTier(Tier):
         except RedisClusterException as exc:
             plain = await self._plain_seed()
             if plain is not None:
-                raise ValueError(f"{plain} is not in cluster mode (a plain Redis: give it as --redis "
-                                 "redis://host:port)") from None
+                raise ValueError(f"{plain} is not in cluster mode (a plain Redis: give it to --redis "
+                                 "instead)") from None
             self._mark_down(exc)
         except _REDIS_ERRORS as exc:
             self._mark_down(exc)
@@ -618,13 +618,19 @@ class RedisTier(Tier):
         mode is not enabled". A seed that is down or refuses ``INFO`` tells nothing.
         """
         assert isinstance(self.client, RedisCluster)
-        for node in list(self.client.nodes_manager.startup_nodes.values()):
+        seeds = list(self.client.nodes_manager.startup_nodes.values())
+
+        async def plain(node: Any) -> bool:
             try:
                 info = await asyncio.wait_for(node.execute_command("INFO", "cluster"), self.timeout_s)
             except (*_REDIS_ERRORS, ValueError):
-                continue
-            if isinstance(info, dict) and info.get("cluster_enabled") == 0:
-                return str(node.name)
+                return False
+            return isinstance(info, dict) and info.get("cluster_enabled") == 0
+
+        answers = await asyncio.gather(*(plain(node) for node in seeds))  # (at once: a seed may hang)
+        for node, is_plain in zip(seeds, answers):
+            if is_plain:
+                return f"[{node.host}]:{node.port}" if ":" in str(node.host) else f"{node.host}:{node.port}"
         return None
 
     async def _read_bulk_limit(self) -> None:

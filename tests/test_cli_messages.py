@@ -203,8 +203,8 @@ def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> N
             r = server_run("--redis-cluster", seeds)
             assert r.returncode == 2
             assert error_line(r, "kvstore-server") == (f"kvstore-server: --redis-cluster {seeds}: {redis.addr} is not "
-                                                       "in cluster mode (a plain Redis: give it as --redis "
-                                                       "redis://host:port)")
+                                                       "in cluster mode (a plain Redis: give it to --redis "
+                                                       "instead)")
     finally:
         redis.stop()
 
