@@ -370,8 +370,10 @@ class BlockStore:
         self._close(res)
         self._arena.free(res._extent)
 
-    def put(self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None) -> bool:
-        """reserve + copy + commit, for tests and promotion from a lower tier.
+    def put(self, ns: str, key: bytes, data: Any, checksum: int = 0, parent: bytes | None = None, *,
+            counted: bool = True) -> bool:
+        """reserve + copy + commit, for tests and promotion from a lower tier (not counted stored:
+        ``counted=False``).
 
         Returns:
             True if stored, False if the key existed (dedup).
@@ -388,7 +390,7 @@ class BlockStore:
         except BaseException:
             self.abort(res)
             raise
-        return self.commit(res, parent)
+        return self.commit(res, parent, counted=counted)
 
     # -- read path --------------------------------------------------------------
 

@@ -464,7 +464,7 @@ class Service:
             if not promote:
                 continue  # a delete ran meanwhile: serve this copy, but keep no deleted block in memory
             try:
-                self.store.put(ns, keys[i], data, checksum, parent=keys[i - 1] if i else None)
+                self.store.put(ns, keys[i], data, checksum, parent=keys[i - 1] if i else None, counted=False)
             except (CapacityError, TooLarge):
                 pass  # promotion is best effort; the block is served from the fetched copy
         self.check_reply_size(res)

@@ -301,7 +301,7 @@ class ShmService:
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             return None
         try:
-            self.store.put(ns, key, data, checksum, parent=parent)
+            self.store.put(ns, key, data, checksum, parent=parent, counted=False)
         except (CapacityError, TooLarge):
             return None
         return self.store.acquire(ns, key)

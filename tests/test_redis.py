@@ -127,6 +127,7 @@ async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server:
             assert after["store"]["blocks"] == 8  # promoted into memory by the GET that missed
             assert after["namespaces"][NS]["blocks"] == 8
             assert after["tier"]["fetched_blocks"] == 8 and after["tier"]["state"] == "ok"
+            assert after["store"]["stored"] == 0  # (read through, not put: counted as fetched only)
             assert payloads(await kv.get(keys)) == data  # 8 from memory, 4 from Redis
 
 
