@@ -181,7 +181,8 @@ def test_bad_tokens_and_extras_are_refused() -> None:
     assert canonical_bytes(torch.tensor([5, 6])) == canonical_bytes(np.array([5, 6])) == canonical_bytes([5, 6])
     assert canonical_bytes(torch.tensor([5])) != canonical_bytes(5)  # (a list of one id is not that id)
     assert canonical_bytes(np.True_) == canonical_bytes(torch.tensor(True)) != canonical_bytes(1)
-    for bad in (np.float32(1.0), torch.tensor([1.5])):
+    for bad in (np.float32(1.0), torch.tensor([1.5]), np.datetime64(5, "ns"), np.timedelta64(5, "ns"),
+                torch.empty(2, dtype=torch.int64, device="meta"), torch.tensor([1, 2]).to_sparse()):
         with pytest.raises(TypeError, match="canonically"):
             canonical_bytes(bad)
 

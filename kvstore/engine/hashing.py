@@ -54,7 +54,7 @@ def canonical_bytes(value: object) -> bytes:
     """A canonical, type-tagged encoding of ``value`` for hashing.
 
     Accepts None, bool, int, str, bytes-like and (nested) tuples/lists of those, numpy and torch
-    values as the Python values they hold (``tolist()``: a tensor of ids is a list of ints); dicts are
+    integers and bools as the Python values they hold (``tolist()``: a tensor of ids is a list); dicts are
     encoded with their items sorted by encoded key. Floats are refused: ``0.1 + 0.2`` style
     rounding would make equal-looking extras hash differently on different hosts.
 
@@ -89,10 +89,18 @@ def _encode(value: object, out: bytearray) -> None:
         out += b"D" + struct.pack("<I", len(items))
         for k, v in items:
             out += k + v
-    elif hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy and torch values: as the Python
-        _encode(value.tolist(), out)  # ones they hold (np.int64(7) is 7, a tensor of ids a list of ints)
+    elif hasattr(value, "tolist") and _INT_DTYPE.fullmatch(str(getattr(value, "dtype", ""))):
+        try:  # numpy and torch integers and bools: as the Python values they hold
+            held = value.tolist()  # (np.int64(7) is 7, a tensor of ids a list of ints)
+        except (RuntimeError, NotImplementedError):  # (a meta or sparse tensor)
+            raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}") from None
+        _encode(held, out)
     else:
         raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}")
+
+
+#: numpy's and torch's integer and bool dtypes (a datetime64 would hash as its count of units).
+_INT_DTYPE = re.compile(r"(torch\.)?(u?int\d+|bool)")
 
 
 def whole_number(value: object, name: str) -> int:
