@@ -199,6 +199,11 @@ class BlockRef:
         """The block's arena pages (a shared-memory client is told where to read)."""
         return self._block.extent
 
+    @property
+    def gone(self) -> bool:
+        """Deleted or evicted since it was pinned (its bytes stay readable until released)."""
+        return self._block.dead
+
     def __repr__(self) -> str:
         return f"<BlockRef {self.ns!r} {self.key.hex()[:16]} {self.size}B>"
 

@@ -118,7 +118,7 @@ class PutSink:
             if limit is not None and self.sizes[i] > limit:  # acknowledged, it could never reach the tier
                 raise TooLarge(f"a block of {self.sizes[i]} bytes is over the {limit} the backing tier takes")
             refusal = self.tier.refusal() if self.tier is not None else None
-            if refusal is not None and not self.store.exists(self.ns, [self.msg.keys[i]])[0]:
+            if refusal is not None:  # (a key in memory too: it may not be in Redis, see commit)
                 self.store.check_size(self.sizes[i])  # (a block that can never be stored says so first)
                 raise refusal  # (reserving would evict blocks of memory for a block then dropped)
             res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
@@ -164,7 +164,7 @@ class PutSink:
         # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
         # restarted without persistence, a key expired or evicted there), pinned meanwhile.
         recheck = ({i: ref for i, ref in existing.items() if self.status[i] == EXISTED and i not in others}
-                   if self.tier.write_through and self.tier.refusal() is None else {})
+                   if self.tier.write_through else {})
         self.store.release_many(ref for i, ref in existing.items() if i not in recheck)
         if not stored_idx and not others and not recheck:
             return self._answer()
@@ -181,10 +181,14 @@ class PutSink:
                              recheck: dict[int, BlockRef]) -> Fields:
         keys = [self.msg.keys[i] for i in idx]
         failure: Unavailable | None = Unavailable("the tier write of this block did not finish")
+        check = asyncio.ensure_future(self._missing_in_tier(recheck)) if recheck else None  # (beside the write)
         try:
-            again = await self._missing_in_tier(recheck)
-            failure = await self._write_to_tier(idx, refs, again) if idx or again else None
+            failure = await self._write_to_tier(idx, refs) if idx else None
+            if check is not None:
+                await self._write_again(await check)
         finally:  # (anything else raised, or cancelled: the PUTs waiting on it fail too)
+            if check is not None:
+                check.cancel()
             self.store.release_many([ref for ref in refs if ref is not None])
             self.store.release_many(recheck.values())
             mine.set_result(failure)
@@ -210,41 +214,63 @@ class PutSink:
         return self.fields()
 
     async def _missing_in_tier(self, recheck: dict[int, BlockRef]) -> dict[int, BlockRef]:
-        """Of the "existed" blocks ``recheck``, those the tier lacks (none if it cannot say)."""
-        if not recheck:
-            return {}
+        """Of the "existed" blocks ``recheck``, those the tier lacks (all, if it cannot say)."""
         assert self.tier is not None
         try:
             present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True)
-        except Unavailable:  # (as before the check: acknowledged from memory)
-            return {}
+        except Unavailable:
+            return recheck
         return {i: ref for (i, ref), p in zip(recheck.items(), present) if not p}
 
-    async def _write_to_tier(self, idx: list[int], refs: list[BlockRef | None],
-                             again: dict[int, BlockRef] | None = None) -> Unavailable | None:
-        """Hand the blocks ``idx`` (pinned by ``refs`` since their commit), and ``again`` (stored
-        before, missing in the tier), to the tier; on failure drop ``idx`` from memory, fail both
-        and return the error."""
-        again = again or {}
+    async def _write_again(self, again: dict[int, BlockRef]) -> None:
+        """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they
+        stay in memory: a retry checks them again). A block deleted meanwhile is not brought back."""
+        again = {i: ref for i, ref in again.items() if not ref.gone}
+        if not again:
+            return
+        assert self.tier is not None
+        try:
+            await self.tier.store(self.ns, [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                                            for i, ref in again.items()])
+        except Exception as exc:
+            failure = self._tier_failure(exc, len(again))
+            for i in again:
+                self.status[i], self.errors[i] = failure.code, str(failure)
+            return
+        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
+                 "(a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
+        # A delete or flush that ran during the write may have reached Redis before it: undo it there.
+        gone = [self.msg.keys[i] for i, ref in again.items() if ref.gone]
+        gone = [k for k, held in zip(gone, self.store.exists(self.ns, gone)) if not held]
+        if gone:
+            try:
+                await self.tier.delete(self.ns, gone)
+            except Exception as exc:  # (logged: the delete that ran meanwhile may be undone in Redis)
+                log.warning("could not delete again %d block(s) a delete removed during their write to the tier: %s",
+                            len(gone), exc)
+
+    def _tier_failure(self, exc: Exception, n: int) -> Unavailable:
+        if isinstance(exc, Unavailable):
+            return exc
+        log.exception("the backing tier failed to store %d block(s)", n)  # a bug in the tier
+        return Unavailable(f"the backing tier failed to store the blocks ({type(exc).__name__}: {exc})")
+
+    async def _write_to_tier(self, idx: list[int], refs: list[BlockRef | None]) -> Unavailable | None:
+        """Hand the blocks ``idx`` (pinned by ``refs`` since their commit) to the tier; on failure
+        drop them from memory and return the error."""
         try:
             if not all(refs):  # (cannot happen: committed and pinned in one step)
                 raise Unavailable("a block left memory before it could be written to the tier")
-            pairs = [*((i, ref) for i, ref in zip(idx, refs) if ref is not None), *again.items()]
-            blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size) for i, ref in pairs]
+            blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                      for i, ref in zip(idx, refs) if ref is not None]
             assert self.tier is not None
             await self.tier.store(self.ns, blocks)
             self.store.count_stored(len(idx))
-            if again:
-                log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
-                         "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
-        except Exception as exc:
-            failure = exc if isinstance(exc, Unavailable) else None
-            if failure is None:  # a bug in the tier: these blocks must not stay acknowledged-less either
-                log.exception("the backing tier failed to store %d block(s)", len(blocks))
-                failure = Unavailable(f"the backing tier failed to store the blocks ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # (a bug in the tier too: these blocks must not stay acknowledged-less)
+            failure = self._tier_failure(exc, len(idx))
             # Not acknowledged, so not kept: a retry must store it again rather than find it "existed".
             self.store.delete(self.ns, [self.msg.keys[i] for i in idx])
-            for i in [*idx, *again]:  # (those of ``again`` stay in memory: a retry checks them again)
+            for i in idx:
                 self.status[i] = failure.code
                 self.errors[i] = str(failure)
             return failure
