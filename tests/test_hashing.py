@@ -179,6 +179,7 @@ def test_bad_tokens_and_extras_are_refused() -> None:
     assert canonical_bytes((np.int64(7), torch.tensor(-3))) == canonical_bytes((7, -3))
     assert h.keys([1, 2], extra=np.int32(5)) == h.keys([1, 2], extra=5)
     assert canonical_bytes(torch.tensor([5, 6])) == canonical_bytes(np.array([5, 6])) == canonical_bytes([5, 6])
+    assert canonical_bytes(np.array([5, 6], dtype=">i8")) == canonical_bytes([5, 6])  # (big-endian: refused)
     assert canonical_bytes(torch.tensor([5])) != canonical_bytes(5)  # (a list of one id is not that id)
     assert canonical_bytes(np.True_) == canonical_bytes(torch.tensor(True)) != canonical_bytes(1)
     for bad in (np.float32(1.0), torch.tensor([1.5]), np.datetime64(5, "ns"), np.timedelta64(5, "ns"),

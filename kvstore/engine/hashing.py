@@ -89,7 +89,7 @@ def _encode(value: object, out: bytearray) -> None:
         out += b"D" + struct.pack("<I", len(items))
         for k, v in items:
             out += k + v
-    elif hasattr(value, "tolist") and _INT_DTYPE.fullmatch(str(getattr(value, "dtype", ""))):
+    elif hasattr(value, "tolist") and _integral(getattr(value, "dtype", None)):
         try:  # numpy and torch integers and bools: as the Python values they hold
             held = value.tolist()  # (np.int64(7) is 7, a tensor of ids a list of ints)
         except (RuntimeError, NotImplementedError):  # (a meta or sparse tensor)
@@ -99,8 +99,10 @@ def _encode(value: object, out: bytearray) -> None:
         raise TypeError(f"cannot hash a {type(value).__name__} canonically: {value!r}")
 
 
-#: numpy's and torch's integer and bool dtypes (a datetime64 would hash as its count of units).
-_INT_DTYPE = re.compile(r"(torch\.)?(u?int\d+|bool)")
+def _integral(dtype: object) -> bool:
+    """A numpy or torch integer or bool dtype (a datetime64 would hash as its count of units)."""
+    kind = getattr(dtype, "kind", None)  # numpy's, whatever the byte order
+    return kind in ("b", "i", "u") if kind is not None else bool(re.fullmatch(r"torch\.(u?int\d+|bool)", str(dtype)))
 
 
 def whole_number(value: object, name: str) -> int:
