@@ -101,6 +101,7 @@ class PutSink:
         self.errors: dict[int, str] = {}
         self.reservations: list[Reservation | None] = [None] * len(msg.keys)
         self.existing: dict[int, BlockRef] = {}  # pinned until the commit (write-through: its tier check)
+        self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
         self.empty: list[int] = []  # reserved at the commit
 
     def target(self, i: int) -> list[memoryview] | None:
@@ -146,10 +147,15 @@ class PutSink:
         for i in self.empty:
             self.reserve(i)
         self.empty = []
+        first: dict[bytes, int] = {}  # key -> the batch's index that stored it
         for i, res in enumerate(self.reservations):
             if res is not None:  # (with a tier, counted stored once it has them: it may refuse)
                 stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent, counted=self.tier is None)
                 self.status[i] = STORED if stored else EXISTED
+                if stored:
+                    first.setdefault(keys[i], i)
+                elif keys[i] in first:  # the same key twice in the batch: it shares the first's outcome
+                    self.twins[i] = first[keys[i]]
         self.reservations = []
         existing, self.existing = self.existing, {}
         if self.tier is None:
@@ -202,6 +208,9 @@ class PutSink:
             if error is not None:  # gone from memory again: the client must store it again
                 self.status[i] = error.code
                 self.errors[i] = str(error)
+        for i, j in self.twins.items():  # (its first copy's tier write failed: it is gone too)
+            if self.status[j] not in (STORED, EXISTED):
+                self.status[i], self.errors[i] = self.status[j], self.errors[j]
         return self._answer()
 
     def _answer(self) -> Fields:
@@ -224,7 +233,7 @@ class PutSink:
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
         """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they
-        stay in memory: a retry checks them again). A block deleted meanwhile is not brought back."""
+        stay in memory: a retry checks them again). A block deleted since is not written."""
         again = {i: ref for i, ref in again.items() if not ref.gone}
         if not again:
             return
@@ -237,17 +246,11 @@ class PutSink:
             for i in again:
                 self.status[i], self.errors[i] = failure.code, str(failure)
             return
+        # (A delete that ran during the write may have reached Redis before it: the block is then
+        # there as if this put, answered after that delete, came after it. Deleting it again here
+        # could remove a third put's copy, acknowledged.)
         log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
                  "(a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
-        # A delete or flush that ran during the write may have reached Redis before it: undo it there.
-        gone = [self.msg.keys[i] for i, ref in again.items() if ref.gone]
-        gone = [k for k, held in zip(gone, self.store.exists(self.ns, gone)) if not held]
-        if gone:
-            try:
-                await self.tier.delete(self.ns, gone)
-            except Exception as exc:  # (logged: the delete that ran meanwhile may be undone in Redis)
-                log.warning("could not delete again %d block(s) a delete removed during their write to the tier: %s",
-                            len(gone), exc)
 
     def _tier_failure(self, exc: Exception, n: int) -> Unavailable:
         if isinstance(exc, Unavailable):

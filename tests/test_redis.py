@@ -753,15 +753,15 @@ def test_a_tier_write_that_fails_with_a_bug_keeps_nothing_unacknowledged(redis_s
         for k, d in zip(keys, data):
             assert redis_server.cli_bytes("GET", block_key("bug", k))[16:-1] == d  # (header; newline)
 
-
-
-
-
-
-
-
-
-
+        # The same new key twice in a batch whose tier write fails: its second copy said "existed"
+        # for a block then in neither memory nor Redis.
+        twice = chain(2, "twice")
+        srv.call(lambda: setattr(tier, "_write", broken_once))
+        with KVClient(f"127.0.0.1:{srv.server.port}", namespace="bug", retries=0) as kv:
+            with pytest.raises(Unavailable) as info:
+                kv.put([twice[0], twice[1], twice[0]], blocks([twice[0], twice[1], twice[0]], 10_000))
+            assert info.value.result.statuses == ["failed"] * 3  # type: ignore[attr-defined]
+            assert kv.exists(twice) == [False, False]
 
 
 # ---------------------------------------------------------------- the tier's byte budget
