@@ -102,6 +102,7 @@ class PutSink:
         self.reservations: list[Reservation | None] = [None] * len(msg.keys)
         self.existing: dict[int, BlockRef] = {}  # pinned until the commit (write-through: its tier check)
         self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
+        self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
 
     def target(self, i: int) -> list[memoryview] | None:
@@ -132,6 +133,9 @@ class PutSink:
             ref = self.store.acquire(self.ns, self.msg.keys[i])
             if ref is not None:
                 self.existing[i] = ref
+            fut = self.tier_writes.get((self.ns, self.msg.keys[i]))
+            if fut is not None:  # (noted now: that write may fail, and end, before this put's commit)
+                self.waits[i] = fut
             return None
         self.reservations[i] = res
         return res
@@ -154,9 +158,9 @@ class PutSink:
                 self.status[i] = STORED if stored else EXISTED
                 if stored:
                     first.setdefault(keys[i], i)
-                elif keys[i] in first:  # the same key twice in the batch: it shares the first's outcome
-                    self.twins[i] = first[keys[i]]
         self.reservations = []
+        # The same key again in the batch shares the outcome of the copy that stored it.
+        self.twins = {i: first[k] for i, k in enumerate(keys) if self.status[i] == EXISTED and first.get(k, i) != i}
         existing, self.existing = self.existing, {}
         if self.tier is None:
             self.store.release_many(existing.values())
@@ -164,12 +168,13 @@ class PutSink:
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
         for i, st in enumerate(self.status):
-            fut = self.tier_writes.get((self.ns, keys[i])) if st == EXISTED else None
-            if fut is not None:
+            fut = (self.waits.get(i) or self.tier_writes.get((self.ns, keys[i]))) if st == EXISTED else None
+            if fut is not None and i not in self.twins:
                 others[i] = fut
         # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
         # restarted without persistence, a key expired or evicted there), pinned meanwhile.
-        recheck = ({i: ref for i, ref in existing.items() if self.status[i] == EXISTED and i not in others}
+        recheck = ({i: ref for i, ref in existing.items()
+                    if self.status[i] == EXISTED and i not in others and i not in self.twins}
                    if self.tier.write_through else {})
         self.store.release_many(ref for i, ref in existing.items() if i not in recheck)
         if not stored_idx and not others and not recheck:
@@ -208,8 +213,11 @@ class PutSink:
             if error is not None:  # gone from memory again: the client must store it again
                 self.status[i] = error.code
                 self.errors[i] = str(error)
-        for i, j in self.twins.items():  # (its first copy's tier write failed: it is gone too)
-            if self.status[j] not in (STORED, EXISTED):
+        for i, j in self.twins.items():
+            if self.status[j] in (STORED, EXISTED):
+                self.status[i] = EXISTED
+                self.errors.pop(i, None)
+            else:  # (its first copy's tier write failed: it is gone too)
                 self.status[i], self.errors[i] = self.status[j], self.errors[j]
         return self._answer()
 

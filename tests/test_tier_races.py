@@ -119,6 +119,49 @@ async def test_put_of_a_key_whose_tier_write_is_pending_waits_for_success(make_r
     assert redis.cli("EXISTS", block_key(NS, key)) == "1"
 
 
+async def test_a_put_that_found_its_block_during_a_write_that_failed_before_its_commit_says_so(
+        make_redis, make_server) -> None:  # type: ignore[no-untyped-def]
+    """B's put found the key in memory while A's write of it ran; A's write failed (the block left
+    memory) before B's payload had all arrived. B answered "existed" for a block then nowhere."""
+    import socket
+
+    import xxhash
+
+    from kvstore.protocol import Frame, FrameReader, Hello, Put, Reply, encode
+
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
+    key, other = chain(2, "late")
+    data, more = blocks([key, other], 100_000)
+    frames = encode(Hello(namespace=NS), 1) + encode(
+        Put(keys=[key, other], sizes=[len(data), len(more)], checksums=[xxhash.xxh3_64_intdigest(b) for b in (data, more)]),
+        2, [data, more])
+    wire = b"".join(bytes(f) for f in frames)
+    host, port = srv.addr.rsplit(":", 1)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a:
+        redis.cli("CLIENT", "PAUSE", "60000", "WRITE")
+        first = asyncio.ensure_future(a.put([key], [data]))
+        await until_blocked(redis)  # A's block is in memory, its SET held in Redis
+        with socket.create_connection((host, int(port)), timeout=20) as b:
+            b.sendall(wire[:-1000])  # B: its first block, found in memory; the second not whole yet
+            await until_stats(a, "B's put to find the key in memory", lambda st: st["store"]["dedup"] == 1)
+            redis.stop(signal.SIGKILL)  # A's write fails: its block leaves memory again
+            with pytest.raises(Unavailable):
+                await first
+            b.sendall(wire[-1000:])  # B's commit, after A's failure
+            reader, replies = FrameReader(is_server=False), []
+            while len(replies) < 2:
+                chunk = await asyncio.to_thread(b.recv, 65536)
+                assert chunk, "the server closed the connection"
+                reader.feed(chunk)
+                while isinstance(event := reader.next_event(), Frame):
+                    replies.append(event)
+        put = replies[1].msg
+        assert isinstance(put, Reply)
+        assert put.fields["status"][0] == Unavailable.code  # (was 1, "existed", for a block then gone)
+        assert await a.exists([key]) == [False]
+
+
 # ---------------------------------------------------------------- a delete racing a read-through
 
 
