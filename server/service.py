@@ -280,7 +280,8 @@ class PutSink:
         except Exception as exc:  # (a bug in the tier too: these blocks must not stay acknowledged-less)
             failure = self._tier_failure(exc, len(idx))
             # Not acknowledged, so not kept: a retry must store it again rather than find it "existed".
-            self.store.delete(self.ns, [self.msg.keys[i] for i in idx])
+            # (Only this put's blocks: one deleted meanwhile may have been stored again by another.)
+            self.store.delete(self.ns, [self.msg.keys[i] for i, ref in zip(idx, refs) if ref is not None and not ref.gone])
             for i in idx:
                 self.status[i] = failure.code
                 self.errors[i] = str(failure)
