@@ -168,9 +168,16 @@ class PutSink:
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
         for i, st in enumerate(self.status):
-            fut = (self.waits.get(i) or self.tier_writes.get((self.ns, keys[i]))) if st == EXISTED else None
-            if fut is not None and i not in self.twins:
+            if st != EXISTED or i in self.twins:
+                continue
+            fut = self.tier_writes.get((self.ns, keys[i])) or self.waits.get(i)  # (running now, or when found)
+            if fut is None:
+                continue
+            if not fut.done():
                 others[i] = fut
+            elif (error := fut.result()) is not None and not self.store.exists(self.ns, [keys[i]])[0]:
+                self.status[i], self.errors[i] = error.code, str(error)  # its write failed: gone with it
+            # (else it ended, and the block is in memory: judged as any found there, below)
         # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
         # restarted without persistence, a key expired or evicted there), pinned meanwhile.
         recheck = ({i: ref for i, ref in existing.items()
