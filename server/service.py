@@ -178,6 +178,14 @@ class PutSink:
             elif (error := fut.result()) is not None and not self.store.exists(self.ns, [keys[i]])[0]:
                 self.status[i], self.errors[i] = error.code, str(error)  # its write failed: gone with it
             # (else it ended, and the block is in memory: judged as any found there, below)
+        for i, ref in list(existing.items()):  # (left memory since it was found: stored again since?)
+            if ref.gone:
+                self.store.release(ref)
+                fresh = self.store.acquire(self.ns, keys[i])
+                if fresh is None:
+                    del existing[i]
+                else:
+                    existing[i] = fresh
         # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
         # restarted without persistence, a key expired or evicted there), pinned meanwhile.
         recheck = ({i: ref for i, ref in existing.items()
