@@ -166,6 +166,24 @@ class PutSink:
             self.store.release_many(existing.values())
             return self._answer()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
+        others, recheck = self._judge_existed(existing)
+        if not stored_idx and not others and not recheck:
+            return self._answer()
+        mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
+        for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
+            self.tier_writes[(self.ns, keys[i])] = mine
+        # Pinned now, as they become visible: before the tier write's first step, other connections'
+        # puts could evict them, and a block gone from memory was left out of the write, acknowledged.
+        refs = self.store.acquire_many(self.ns, [keys[i] for i in stored_idx])
+        return self._store_in_tier(stored_idx, refs, mine, others, recheck)
+
+    def _judge_existed(self, existing: dict[int, BlockRef]) -> tuple[dict[int, asyncio.Future[Unavailable | None]],
+                                                                     dict[int, BlockRef]]:
+        """The "existed" keys (a batch's later copies aside) that wait for another put's tier write
+        still running, and, in write-through, those to check in the tier, pinned by the returned
+        refs; the other pins of ``existing`` are released. A key whose write failed and that left
+        memory with it fails now."""
+        keys = self.msg.keys
         others: dict[int, asyncio.Future[Unavailable | None]] = {}
         for i, st in enumerate(self.status):
             if st != EXISTED or i in self.twins:
@@ -188,19 +206,12 @@ class PutSink:
                     existing[i] = fresh
         # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
         # restarted without persistence, a key expired or evicted there), pinned meanwhile.
+        assert self.tier is not None
         recheck = ({i: ref for i, ref in existing.items()
                     if self.status[i] == EXISTED and i not in others and i not in self.twins}
                    if self.tier.write_through else {})
         self.store.release_many(ref for i, ref in existing.items() if i not in recheck)
-        if not stored_idx and not others and not recheck:
-            return self._answer()
-        mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
-        for i in stored_idx:  # registered now, before any await: a PUT parsed next must find it
-            self.tier_writes[(self.ns, keys[i])] = mine
-        # Pinned now, as they become visible: before the tier write's first step, other connections'
-        # puts could evict them, and a block gone from memory was left out of the write, acknowledged.
-        refs = self.store.acquire_many(self.ns, [keys[i] for i in stored_idx])
-        return self._store_in_tier(stored_idx, refs, mine, others, recheck)
+        return others, recheck
 
     async def _store_in_tier(self, idx: list[int], refs: list[BlockRef | None], mine: asyncio.Future[Unavailable | None],
                              others: dict[int, asyncio.Future[Unavailable | None]],
