@@ -568,6 +568,9 @@ def check_unix_path(path: str) -> None:
     os.unlink(path)
 
 
+_PROBE_TIMEOUT = 2.0
+
+
 def _remove_stale(path: str) -> None:
     try:
         st = os.stat(path)
@@ -578,11 +581,14 @@ def _remove_stale(path: str) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise OSError(errno.EEXIST, f"--unix {path}: exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_TIMEOUT)  # (a listener that accepts nothing, its backlog full, blocks a connect)
     try:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
         os.unlink(path)  # left behind by a server that died
         return
+    except (TimeoutError, BlockingIOError):
+        pass  # someone is listening and not accepting (a Unix socket's full backlog answers EAGAIN)
     finally:
         probe.close()
     raise OSError(errno.EADDRINUSE, f"--unix {path}: another server is listening there")

@@ -108,6 +108,32 @@ def test_stale_socket_file_is_replaced_and_a_live_one_refused(unix_path: str) ->
         assert srv.proc is not None and srv.proc.poll() is None
 
 
+def test_a_listener_that_accepts_nothing_is_refused_not_waited_on(unix_path: str) -> None:
+    from kvstore.server.shm import check_unix_path
+
+    frozen = socket.socket(socket.AF_UNIX)
+    frozen.bind(unix_path)
+    frozen.listen(0)  # a server stopped (SIGSTOP, a debugger) with its backlog full
+    queued = []
+    try:
+        for _ in range(4):  # (listen(0) still queues one; the next connects would block)
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)
+            try:
+                c.connect(unix_path)
+            except BlockingIOError:
+                c.close()
+                break
+            queued.append(c)
+        with pytest.raises(OSError, match="another server is listening there"):
+            check_unix_path(unix_path)  # (was: a blocking connect, for as long as that server stays stopped)
+        assert os.path.exists(unix_path)
+    finally:
+        for c in queued:
+            c.close()
+        frozen.close()
+
+
 def test_a_unix_socket_in_a_missing_folder_is_named_in_the_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "no-such-dir" / "kv.sock"
     done = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "8MiB",
