@@ -1011,18 +1011,25 @@ class RedisTier(Tier):
                                        block_key(ns, key))
         return data, checksum
 
-    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
+    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False) -> list[bool]:
         """Per key: queued, or in Redis with a kvstore value header (one pipelined round of
         ``GETRANGE key 0 15``: a foreign value or type is absent, as a GET would find it;
         damage inside the block shows only when the client checks its checksum). Redis down:
-        absent, or with ``strict`` ``Unavailable``."""
+        absent, or with ``strict`` ``Unavailable``. ``renew``: under ``--redis-ttl`` an
+        ``EXPIRE`` beside each ``GETRANGE`` restarts the keys' expiry (a block put again)."""
         out = [bool(len(self.queue)) and self.queue.get(ns, k) is not None for k in keys]
         ask = [i for i, p in enumerate(out) if not p]
         if ask and strict and not self._up.is_set():
             raise self._unavailable()
         if ask and self._up.is_set():
+            step = 2 if renew and self.ttl_s else 1
+            cmds: list[tuple[Any, ...]] = []
+            for i in ask:
+                cmds.append(("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1))
+                if step == 2:
+                    cmds.append(("EXPIRE", block_key(ns, keys[i]), self.ttl_s))
             try:
-                heads = await self._execute([("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1) for i in ask])
+                heads = (await self._execute(cmds))[::step]
             except Unavailable:
                 if strict:
                     raise

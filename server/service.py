@@ -260,7 +260,7 @@ class PutSink:
         """Of the "existed" blocks ``recheck``, those the tier lacks (all, if it cannot say)."""
         assert self.tier is not None
         try:
-            present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True)
+            present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
         except Unavailable:
             return recheck
         return {i: ref for (i, ref), p in zip(recheck.items(), present) if not p}

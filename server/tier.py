@@ -58,9 +58,10 @@ class Tier(ABC):
         """``(data, checksum)`` per key, ``None`` where absent; one pipelined round trip."""
 
     @abstractmethod
-    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
+    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False) -> list[bool]:
         """Per key: held (or queued); with ``strict`` a backend that cannot answer raises
-        ``Unavailable`` instead of counting as absent."""
+        ``Unavailable`` instead of counting as absent; with ``renew`` the held keys' expiry starts
+        again, as if written now."""
 
     @abstractmethod
     async def delete(self, ns: str, keys: Sequence[bytes]) -> int: ...

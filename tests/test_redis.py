@@ -96,6 +96,22 @@ async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisPr
     assert "key_pattern" in fields and "value_header" in fields and int(fields["created"]) > 0
 
 
+async def test_a_block_put_again_has_its_expiry_renewed_in_write_through(redis_server: RedisProcess,
+                                                                          make_server) -> None:
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-ttl", "300")
+    keys = chain(3, "renew")
+    data = blocks(keys, 4096)
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        assert (await kv.put(keys, data)).stored == 3
+        for k in keys:  # as if most of the 300 s had gone by
+            redis_server.cli("EXPIRE", block_key(NS, k), "5")
+        res = await kv.put(keys[:2], data[:2])  # a prefix stored again (a do_remote_decode prefill)
+        assert res.existed == 2
+    ttls = [int(redis_server.cli("TTL", block_key(NS, k))) for k in keys]
+    assert all(250 < t <= 300 for t in ttls[:2]), ttls  # (was: 5 s left, the put "existed" notwithstanding)
+    assert 0 < ttls[2] <= 5, ttls  # not put again: its expiry is its own
+
+
 async def test_namespace_with_special_characters_gets_no_hash_tag(redis_server: RedisProcess, make_server) -> None:
     srv = make_server("--capacity", MEM, env={"KVSTORE_REDIS": redis_server.url})  # the env var works too
     k = chain(1, "odd")[0]
