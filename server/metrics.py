@@ -169,7 +169,7 @@ class KVStoreCollector:
             "evictions": ("kvstore_evictions", "Blocks evicted to make room"),
             "evicted_bytes": ("kvstore_evicted_bytes", "Payload bytes evicted"),
             "stored": ("kvstore_stored_blocks", "Blocks stored (new keys)"),
-            "dedup": ("kvstore_dedup_blocks", "Blocks not stored because their key was present"),
+            "dedup": ("kvstore_dedup_blocks", "Blocks of puts found present in memory (payload skipped)"),
             "lookups": ("kvstore_lookups", "Prefix lookups"),
         }
         for field, (name, doc) in counters.items():

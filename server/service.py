@@ -155,9 +155,12 @@ class PutSink:
         for i, res in enumerate(self.reservations):
             if res is not None:  # (with a tier, counted stored once it has them: it may refuse)
                 stored = self.store.commit(res, parent=keys[i - 1] if i else self.msg.parent, counted=self.tier is None)
-                self.status[i] = STORED if stored else EXISTED
                 if stored:
                     first.setdefault(keys[i], i)
+                else:  # another put committed it first: judged like a block found in memory
+                    self.status[i] = EXISTED
+                    if (ref := self.store.acquire(self.ns, keys[i])) is not None:
+                        self.existing[i] = ref
         self.reservations = []
         # The same key again in the batch shares the outcome of the copy that stored it.
         self.twins = {i: first[k] for i, k in enumerate(keys) if self.status[i] == EXISTED and first.get(k, i) != i}

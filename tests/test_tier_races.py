@@ -180,6 +180,43 @@ async def test_a_put_that_found_its_block_during_a_write_judges_it_at_its_commit
             assert redis.cli("EXISTS", block_key(NS, key)) == "1"  # written again before "existed"
 
 
+async def test_a_put_that_loses_its_commit_to_another_is_checked_in_redis_like_one_found_in_memory(
+        redis_server: RedisProcess, make_server) -> None:
+    """B's payload was arriving when A stored the same key; Redis then lost it (a restart without
+    persistence, an expiry). B's commit found the key committed meanwhile and answered "existed"
+    without the Redis check a block found in memory gets, so Redis never had it again."""
+    import socket
+
+    import xxhash
+
+    from kvstore.protocol import EXISTED, Frame, FrameReader, Hello, Put, Reply, encode
+
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url)
+    [key] = chain(1, "lost-commit")
+    [data] = blocks([key], 100_000)
+    wire = b"".join(bytes(f) for f in encode(Hello(namespace=NS), 1) + encode(
+        Put(keys=[key], sizes=[len(data)], checksums=[xxhash.xxh3_64_intdigest(data)]), 2, [data]))
+    host, port = srv.addr.rsplit(":", 1)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a:
+        with socket.create_connection((host, int(port)), timeout=20) as b:
+            b.sendall(wire[:-1000])  # B: its block reserved, not whole yet
+            await until_stats(a, "B's reservation", lambda st: st["store"]["reserved_bytes"] > 0)
+            assert (await a.put([key], [data])).stored == 1  # A commits first
+            redis_server.cli("DEL", block_key(NS, key))
+            b.sendall(wire[-1000:])
+            reader, replies = FrameReader(is_server=False), []
+            while len(replies) < 2:
+                chunk = await asyncio.to_thread(b.recv, 65536)
+                assert chunk, "the server closed the connection"
+                reader.feed(chunk)
+                while isinstance(event := reader.next_event(), Frame):
+                    replies.append(event)
+        put = replies[1].msg
+        assert isinstance(put, Reply) and put.fields["status"] == [EXISTED]
+        assert redis_server.cli("EXISTS", block_key(NS, key)) == "1"  # written again before "existed"
+        assert (await a.stats())["store"]["pinned_blocks"] == 0
+
+
 # ---------------------------------------------------------------- a delete racing a read-through
 
 
