@@ -486,11 +486,25 @@ class _WriteQueue:
 
 
 @dataclass(eq=False)
-class _FlushGate:
-    """Flushes of one namespace running now; ``done`` is set when the last one ends."""
+class _Gate:
+    """Flushes of one namespace, or deletes of one key, running now; ``done`` is set when the last ends."""
 
     running: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @staticmethod
+    def enter(gates: dict[Any, _Gate], name: Any) -> _Gate:
+        gate = gates.setdefault(name, _Gate())
+        gate.running += 1
+        return gate
+
+    @staticmethod
+    def leave(gates: dict[Any, _Gate], name: Any) -> None:
+        gate = gates[name]
+        gate.running -= 1
+        if not gate.running:
+            del gates[name]
+            gate.done.set()
 
 
 class RedisTier(Tier):
@@ -537,7 +551,10 @@ class RedisTier(Tier):
         self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
         #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
-        self._flushing: dict[str, _FlushGate] = {}
+        self._flushing: dict[str, _Gate] = {}
+        #: Keys being deleted: their tier writes wait too, or a copy put after the delete began could
+        #: reach Redis before its DEL (kept in memory, gone from Redis).
+        self._deleting: dict[tuple[str, bytes], _Gate] = {}
         self._waking: asyncio.Task[None] | None = None
         self._pipelines = asyncio.Semaphore(MAX_PIPELINES)  # in flight at once, each on a connection per node
         self._inflight = _ByteBudget(MAX_INFLIGHT_BYTES)  # block bytes in those pipelines
@@ -861,14 +878,18 @@ class RedisTier(Tier):
         """Write-through: one pipelined round trip. Write-behind: copy into the queue; while it is
         full, wait for room if Redis is up (back-pressure), fail at once if it is down.
 
-        Either waits first for a running flush of ``ns`` to end (see ``_flushing``).
+        Either waits first for a running flush of ``ns``, or deletes of these keys, to end (see
+        ``_flushing``, ``_deleting``).
         """
         # The views are pinned only while this call runs: copy them out before the first await.
         items = [_Item(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum)
                  for b in blocks]
-        gate = self._flushing.get(ns)
-        if gate is not None:
-            await gate.done.wait()
+        gates = [self._flushing.get(ns)]
+        if self._deleting:
+            gates += [self._deleting.get((ns, it.key)) for it in items]
+        for gate in dict.fromkeys(gates):
+            if gate is not None:
+                await gate.done.wait()
         if self.write_through:
             await self._write(items)
         elif not await self.queue.put(items, refuse=lambda: not self._up.is_set()):
@@ -1052,18 +1073,32 @@ class RedisTier(Tier):
                 raise self._unavailable() from None
         return {block_key(ns, key) for ns, key in dropped}
 
-    async def delete(self, ns: str, keys: Sequence[bytes]) -> int:
+    def delete(self, ns: str, keys: Sequence[bytes]) -> Awaitable[int]:
         """DEL in one round trip; counts the blocks deleted from Redis or dropped from the queue.
-        The namespace hint goes down by what was deleted from Redis."""
+        The namespace hint goes down by what was deleted from Redis.
+
+        The keys' tier writes wait from this call until the DEL is answered (not a coroutine
+        function, as :meth:`flush`): a copy put after the service deleted the key from memory
+        must reach Redis after the DEL, or memory would keep a block Redis lost.
+        """
         wanted = {(ns, k) for k in keys}
-        dropped = await self._settle(wanted.__contains__)
-        if not keys:
-            return 0
-        names = list(dict.fromkeys(block_key(ns, k) for k in keys))
-        res = await self._delete_names(names)
-        if sum(res):
-            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -sum(res))])  # a hint: its error ignored
-        return len(dropped) + _not_counted(names, res, dropped)
+        for name in wanted:
+            _Gate.enter(self._deleting, name)
+        return self._delete(ns, keys, wanted)
+
+    async def _delete(self, ns: str, keys: Sequence[bytes], wanted: set[tuple[str, bytes]]) -> int:
+        try:
+            dropped = await self._settle(wanted.__contains__)
+            if not keys:
+                return 0
+            names = list(dict.fromkeys(block_key(ns, k) for k in keys))
+            res = await self._delete_names(names)
+            if sum(res):  # a hint: its error ignored
+                await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -sum(res))])
+            return len(dropped) + _not_counted(names, res, dropped)
+        finally:
+            for name in wanted:
+                _Gate.leave(self._deleting, name)
 
     def flush(self, ns: str) -> Awaitable[int]:
         """Delete every block of ``ns`` (SCAN MATCH on every master, DEL in pipelined batches) and its record.
@@ -1072,11 +1107,10 @@ class RedisTier(Tier):
         function, so that the gate is up before the caller's next step: the service has already
         flushed memory, and a block put from then on must not be caught by the SCAN).
         """
-        gate = self._flushing.setdefault(ns, _FlushGate())
-        gate.running += 1
-        return self._flush(ns, gate)
+        _Gate.enter(self._flushing, ns)
+        return self._flush(ns)
 
-    async def _flush(self, ns: str, gate: _FlushGate) -> int:
+    async def _flush(self, ns: str) -> int:
         try:
             dropped = await self._settle(lambda k: k[0] == ns)
             if not self._up.is_set():
@@ -1098,10 +1132,7 @@ class RedisTier(Tier):
             self._value_bytes.pop(ns, None)
             return n
         finally:
-            gate.running -= 1
-            if not gate.running:
-                del self._flushing[ns]
-                gate.done.set()
+            _Gate.leave(self._flushing, ns)
 
     async def _delete_names(self, names: Sequence[str | bytes]) -> list[int]:
         """DEL ``names`` in one round trip; per name, 1 if it existed."""

@@ -64,7 +64,9 @@ class Tier(ABC):
         again, as if written now."""
 
     @abstractmethod
-    async def delete(self, ns: str, keys: Sequence[bytes]) -> int: ...
+    def delete(self, ns: str, keys: Sequence[bytes]) -> Awaitable[int]:
+        """Delete ``keys``; the count deleted. The caller has deleted them from memory already: as
+        in :meth:`flush`, a copy stored from the moment of this call on must survive the delete."""
 
     @abstractmethod
     def flush(self, ns: str) -> Awaitable[int]:

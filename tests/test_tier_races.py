@@ -267,6 +267,34 @@ async def test_write_behind_delete_of_an_inflight_block_hides_it(make_redis, mak
     assert redis.cli("EXISTS", block_key(NS, key)) == "0"
 
 
+@pytest.mark.parametrize("mode", ["write-behind", "write-through"])
+@pytest.mark.parametrize("op", ["delete", "flush"])
+async def test_a_block_put_again_during_its_delete_reaches_redis_after_the_del(make_redis, make_server, op: str,
+                                                                              mode: str) -> None:
+    """C put the key again while its DELETE waited for the write of an older copy. In write-behind
+    the flusher sent C's copy before the delete's DEL: Redis lost it while memory kept it, and a
+    restart lost an acknowledged block."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", mode, *SLOW)
+    [key] = chain(1, "put-during-delete")
+    old, new = blocks([key], 4096), [b"n" * 4096]
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as a, \
+            AsyncKVClient(srv.addr, namespace=NS, retries=0) as c:
+        with paused_writes(redis):
+            putting_old = asyncio.ensure_future(a.put([key], old))
+            await until_blocked(redis)  # the old copy's SET is in flight
+            deleting = asyncio.ensure_future(remove(a, op, key))
+            await until_stats(c, "the delete to drop the block from memory", lambda st: st["store"]["blocks"] == 0)
+            putting = asyncio.ensure_future(c.put([key], new))
+            await until_stats(c, "C's block in memory", lambda st: st["store"]["blocks"] == 1)
+        assert (await putting_old).stored == 1
+        assert await deleting == 1
+        assert (await putting).stored == 1
+        await until_stats(c, "the backlog to drain", lambda st: st["tier"]["backlog_blocks"] == 0)
+        assert payloads(await c.get([key])) == new
+    assert redis.cli("EXISTS", block_key(NS, key)) == "1", "an acknowledged block is in memory only"
+
+
 # ---------------------------------------------------------------- an error reply concerns one key
 
 
