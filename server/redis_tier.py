@@ -39,7 +39,7 @@ import struct
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Container, Iterable, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
@@ -289,6 +289,7 @@ class _Item:
     key: bytes
     value: bytes  # header + block, copied out of the arena
     checksum: int
+    seq: int = 0  # the put's place in arrival order (a delete drops only the copies put before it)
     cancelled: bool = False  # deleted while in flight or waiting for room: not to be (re-)queued
 
 
@@ -369,6 +370,9 @@ class _WriteQueue:
     peak: int = 0  # the largest nbytes since the heap was last trimmed
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     batch_done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Keys not to be taken for now: a delete of them has yet to send its DEL, and a copy put
+    #: after the delete began must reach Redis after that DEL, not before it.
+    held: Container[tuple[str, bytes]] = ()
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.inflight)
@@ -426,23 +430,29 @@ class _WriteQueue:
                     self.nbytes += len(old.value)
 
     async def wake(self) -> None:
-        """Let puts waiting for room look again (the tier went down: they are refused now)."""
+        """Let puts waiting for room look again (the tier went down: they are refused now), and the
+        flusher (keys no longer ``held``)."""
         async with self.changed:
             self.changed.notify_all()
 
     async def take(self, max_bytes: int = _BATCH_BYTES) -> list[_Item]:
-        """The oldest blocks, up to a batch of ``max_bytes``, moved in flight (waits for at least one;
-        one block larger than ``max_bytes`` goes alone)."""
+        """The oldest blocks not ``held``, up to a batch of ``max_bytes``, moved in flight (waits for
+        at least one; one block larger than ``max_bytes`` goes alone)."""
         async with self.changed:
-            await self.changed.wait_for(lambda: bool(self.waiting))
+            await self.changed.wait_for(lambda: any(k not in self.held for k in self.waiting))
             batch: list[_Item] = []
             size = 0
-            while (self.waiting and len(batch) < _BATCH_BLOCKS
-                   and (not batch or size + len(next(iter(self.waiting.values())).value) <= max_bytes)):
-                k, item = self.waiting.popitem(last=False)
-                self.inflight[k] = item
+            for k, item in self.waiting.items():
+                if k in self.held:
+                    continue
+                if len(batch) >= _BATCH_BLOCKS or (batch and size + len(item.value) > max_bytes):
+                    break
                 batch.append(item)
                 size += len(item.value)
+            for item in batch:
+                k = (item.ns, item.key)
+                del self.waiting[k]
+                self.inflight[k] = item
             self.batch_done.clear()
             return batch
 
@@ -463,19 +473,19 @@ class _WriteQueue:
             self.batch_done.set()
             self.changed.notify_all()
 
-    async def discard(self, match: Callable[[tuple[str, bytes]], bool]) -> tuple[set[tuple[str, bytes]], bool]:
-        """Drop the blocks for which ``match((ns, key))`` holds, waiting ones and those whose put waits
+    async def discard(self, match: Callable[[_Item], bool]) -> tuple[set[tuple[str, bytes]], bool]:
+        """Drop the blocks for which ``match(item)`` holds, waiting ones and those whose put waits
         for room: the keys dropped, and True if any matching block is in flight (cancelled, so not
         re-queued; the caller waits for its write to land)."""
         async with self.changed:
-            dropped = {k for k in self.waiting if match(k)}
+            dropped = {k for k, item in self.waiting.items() if match(item)}
             for k in dropped:
                 self.nbytes -= len(self.waiting.pop(k).value)
             for item in self.pending:
-                if match((item.ns, item.key)) and not item.cancelled:
+                if match(item) and not item.cancelled:
                     item.cancelled = True
                     dropped.add((item.ns, item.key))
-            hit = [item for k, item in self.inflight.items() if match(k)]
+            hit = [item for item in self.inflight.values() if match(item)]
             for item in hit:
                 item.cancelled = True
             self.changed.notify_all()
@@ -486,25 +496,11 @@ class _WriteQueue:
 
 
 @dataclass(eq=False)
-class _Gate:
-    """Flushes of one namespace, or deletes of one key, running now; ``done`` is set when the last ends."""
+class _FlushGate:
+    """Flushes of one namespace running now; ``done`` is set when the last one ends."""
 
     running: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @staticmethod
-    def enter(gates: dict[Any, _Gate], name: Any) -> _Gate:
-        gate = gates.setdefault(name, _Gate())
-        gate.running += 1
-        return gate
-
-    @staticmethod
-    def leave(gates: dict[Any, _Gate], name: Any) -> None:
-        gate = gates[name]
-        gate.running -= 1
-        if not gate.running:
-            del gates[name]
-            gate.done.set()
 
 
 class RedisTier(Tier):
@@ -551,11 +547,15 @@ class RedisTier(Tier):
         self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
         #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
-        self._flushing: dict[str, _Gate] = {}
-        #: Keys being deleted: their tier writes wait too, or a copy put after the delete began could
-        #: reach Redis before its DEL (kept in memory, gone from Redis).
-        self._deleting: dict[tuple[str, bytes], _Gate] = {}
+        self._flushing: dict[str, _FlushGate] = {}
+        #: Keys whose delete has yet to send its DEL, with an event per such delete: a copy put from
+        #: the delete's call on must reach Redis after that DEL, or memory would keep a block Redis
+        #: lost. Write-through puts wait for the events; write-behind ones are queued, held there.
+        self._deleting: dict[tuple[str, bytes], list[asyncio.Event]] = {}
+        self.queue.held = self._deleting
+        self._seq = 0  # puts so far (``_Item.seq``)
         self._waking: asyncio.Task[None] | None = None
+        self._wakers: set[asyncio.Task[None]] = set()
         self._pipelines = asyncio.Semaphore(MAX_PIPELINES)  # in flight at once, each on a connection per node
         self._inflight = _ByteBudget(MAX_INFLIGHT_BYTES)  # block bytes in those pipelines
         #: Per namespace, the largest value seen: what a read counts per key (one model's blocks are
@@ -734,6 +734,13 @@ class RedisTier(Tier):
             self._degraded_since = None
             self._up.set()
 
+    def _wake_queue(self) -> None:
+        """Let the flusher look again: keys it held back are free."""
+        if self.queue.waiting:
+            task = asyncio.get_running_loop().create_task(self.queue.wake())
+            self._wakers.add(task)
+            task.add_done_callback(self._wakers.discard)
+
     async def _ping(self) -> None:
         if not isinstance(self.client, RedisCluster):
             await self.client.ping()
@@ -878,19 +885,20 @@ class RedisTier(Tier):
         """Write-through: one pipelined round trip. Write-behind: copy into the queue; while it is
         full, wait for room if Redis is up (back-pressure), fail at once if it is down.
 
-        Either waits first for a running flush of ``ns``, or deletes of these keys, to end (see
-        ``_flushing``, ``_deleting``).
+        Either waits first for a running flush of ``ns`` to end (see ``_flushing``); write-through
+        also for the DELs of running deletes of these keys (see ``_deleting``).
         """
         # The views are pinned only while this call runs: copy them out before the first await.
-        items = [_Item(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum)
-                 for b in blocks]
-        gates = [self._flushing.get(ns)]
-        if self._deleting:
-            gates += [self._deleting.get((ns, it.key)) for it in items]
-        for gate in dict.fromkeys(gates):
-            if gate is not None:
-                await gate.done.wait()
+        self._seq += 1
+        items = [_Item(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum,
+                       self._seq) for b in blocks]
+        dels = {ev for it in items for ev in self._deleting.get((ns, it.key), ())} if self._deleting else ()
+        gate = self._flushing.get(ns)
+        if gate is not None:
+            await gate.done.wait()
         if self.write_through:
+            for ev in dels:  # (only those running now: later ones must not hold this put for ever)
+                await ev.wait()
             await self._write(items)
         elif not await self.queue.put(items, refuse=lambda: not self._up.is_set()):
             raise self._unavailable()
@@ -1062,7 +1070,7 @@ class RedisTier(Tier):
 
     # -- deletes
 
-    async def _settle(self, match: Callable[[tuple[str, bytes]], bool]) -> set[str]:
+    async def _settle(self, match: Callable[[_Item], bool]) -> set[str]:
         """Drop queued blocks (the Redis names of those dropped are returned: they count as deleted);
         if one is being written, let that write land first, so our DEL comes after."""
         dropped, inflight = await self.queue.discard(match)
@@ -1077,28 +1085,33 @@ class RedisTier(Tier):
         """DEL in one round trip; counts the blocks deleted from Redis or dropped from the queue.
         The namespace hint goes down by what was deleted from Redis.
 
-        The keys' tier writes wait from this call until the DEL is answered (not a coroutine
-        function, as :meth:`flush`): a copy put after the service deleted the key from memory
-        must reach Redis after the DEL, or memory would keep a block Redis lost.
+        Not a coroutine function, as :meth:`flush`: copies of these keys put from this call on
+        (the service has deleted them from memory) are neither dropped nor written before the DEL.
         """
         wanted = {(ns, k) for k in keys}
-        for name in wanted:
-            _Gate.enter(self._deleting, name)
-        return self._delete(ns, keys, wanted)
+        done = asyncio.Event()
+        for k in wanted:
+            self._deleting.setdefault(k, []).append(done)
+        return self._delete(ns, keys, wanted, self._seq, done)
 
-    async def _delete(self, ns: str, keys: Sequence[bytes], wanted: set[tuple[str, bytes]]) -> int:
+    async def _delete(self, ns: str, keys: Sequence[bytes], wanted: set[tuple[str, bytes]], before: int,
+                      done: asyncio.Event) -> int:
         try:
-            dropped = await self._settle(wanted.__contains__)
+            dropped = await self._settle(lambda it: it.seq <= before and (it.ns, it.key) in wanted)
             if not keys:
                 return 0
             names = list(dict.fromkeys(block_key(ns, k) for k in keys))
             res = await self._delete_names(names)
-            if sum(res):  # a hint: its error ignored
-                await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -sum(res))])
-            return len(dropped) + _not_counted(names, res, dropped)
         finally:
-            for name in wanted:
-                _Gate.leave(self._deleting, name)
+            for k in wanted:
+                self._deleting[k].remove(done)
+                if not self._deleting[k]:
+                    del self._deleting[k]
+            done.set()
+            self._wake_queue()  # (the flusher may hold these keys' later copies)
+        if sum(res):
+            await self._execute([("HINCRBY", ns_record_key(ns), "blocks_hint", -sum(res))])  # a hint: its error ignored
+        return len(dropped) + _not_counted(names, res, dropped)
 
     def flush(self, ns: str) -> Awaitable[int]:
         """Delete every block of ``ns`` (SCAN MATCH on every master, DEL in pipelined batches) and its record.
@@ -1107,12 +1120,13 @@ class RedisTier(Tier):
         function, so that the gate is up before the caller's next step: the service has already
         flushed memory, and a block put from then on must not be caught by the SCAN).
         """
-        _Gate.enter(self._flushing, ns)
-        return self._flush(ns)
+        gate = self._flushing.setdefault(ns, _FlushGate())
+        gate.running += 1
+        return self._flush(ns, gate)
 
-    async def _flush(self, ns: str) -> int:
+    async def _flush(self, ns: str, gate: _FlushGate) -> int:
         try:
-            dropped = await self._settle(lambda k: k[0] == ns)
+            dropped = await self._settle(lambda it: it.ns == ns)
             if not self._up.is_set():
                 raise self._unavailable()
             pattern = f"{KEY_PREFIX}{ns_part(ns)}:*"
@@ -1132,7 +1146,10 @@ class RedisTier(Tier):
             self._value_bytes.pop(ns, None)
             return n
         finally:
-            _Gate.leave(self._flushing, ns)
+            gate.running -= 1
+            if not gate.running:
+                del self._flushing[ns]
+                gate.done.set()
 
     async def _delete_names(self, names: Sequence[str | bytes]) -> list[int]:
         """DEL ``names`` in one round trip; per name, 1 if it existed."""
