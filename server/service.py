@@ -301,10 +301,13 @@ class PutSink:
         try:
             if not all(refs):  # (cannot happen: committed and pinned in one step)
                 raise Unavailable("a block left memory before it could be written to the tier")
+            # A block deleted since its commit (a DELETE read in the same turn) is not written: the
+            # tier orders puts against deletes from the moment it is called, which is now.
             blocks = [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
-                      for i, ref in zip(idx, refs) if ref is not None]
+                      for i, ref in zip(idx, refs) if ref is not None and not ref.gone]
             assert self.tier is not None
-            await self.tier.store(self.ns, blocks)
+            if blocks:
+                await self.tier.store(self.ns, blocks)
             self.store.count_stored(len(idx))
         except Exception as exc:  # (a bug in the tier too: these blocks must not stay acknowledged-less)
             failure = self._tier_failure(exc, len(idx))

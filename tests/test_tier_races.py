@@ -297,6 +297,42 @@ async def test_a_block_put_again_during_its_delete_reaches_redis_after_the_del(m
     assert redis.cli("EXISTS", block_key(NS, key)) == "1", "an acknowledged block is in memory only"
 
 
+@pytest.mark.parametrize("mode", ["write-behind", "write-through"])
+async def test_a_put_then_a_delete_sent_together_leave_the_block_nowhere(redis_server: RedisProcess, make_server,
+                                                                        mode: str) -> None:
+    """A PUT and a DELETE of the same key in one write: memory ran them in order, but the put's tier
+    write started after the delete had noted what to drop, so the block was written after the DEL
+    and a later get read it back from Redis."""
+    import socket
+
+    import xxhash
+
+    from kvstore.protocol import Delete, Frame, FrameReader, Hello, Put, encode
+
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-mode", mode)
+    keys = chain(5, "put-then-delete")
+    data = blocks(keys, 4096)
+    host, port = srv.addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        frames = encode(Hello(namespace=NS), 1)
+        for n, (k, d) in enumerate(zip(keys, data)):
+            frames += encode(Put(keys=[k], sizes=[len(d)], checksums=[xxhash.xxh3_64_intdigest(d)]), 2 + 2 * n, [d])
+            frames += encode(Delete(keys=[k]), 3 + 2 * n)
+        sock.sendall(b"".join(bytes(f) for f in frames))
+        reader, replies = FrameReader(is_server=False), []
+        while len(replies) < 1 + 2 * len(keys):
+            chunk = await asyncio.to_thread(sock.recv, 65536)
+            assert chunk, "the server closed the connection"
+            reader.feed(chunk)
+            while isinstance(event := reader.next_event(), Frame):
+                replies.append(event)
+    assert all(not r.msg.fields.get("errors") for r in replies)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+        await until_stats(kv, "the backlog to drain", lambda st: st["tier"]["backlog_blocks"] == 0)
+        assert payloads(await kv.get(keys)) == [None] * len(keys), "a deleted block came back from Redis"
+    assert [redis_server.cli("EXISTS", block_key(NS, k)) for k in keys] == ["0"] * len(keys)
+
+
 # ---------------------------------------------------------------- an error reply concerns one key
 
 
