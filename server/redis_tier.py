@@ -912,13 +912,13 @@ class RedisTier(Tier):
             batch = await self.queue.take(self._batch_bytes)
             too_big = [it for it in batch if len(it.value) - HEADER_SIZE > self.max_block]
             if too_big:  # queued before Redis's limit was known (it was down): Redis would drop each try
-                await self.queue.finish(too_big, written=True)
                 self.counters["failures"] += len(too_big)
                 log.error("redis %s takes blocks of at most %d bytes (proto-max-bulk-len): %d acknowledged "
                           "write-behind block(s) larger than that stay in memory only", self.target,
                           self.max_block, len(too_big))
                 batch = [it for it in batch if len(it.value) - HEADER_SIZE <= self.max_block]
                 if not batch:
+                    await self.queue.finish(too_big, written=True)
                     continue
             nbytes, began = sum(len(it.value) for it in batch), time.monotonic()
             try:
@@ -944,6 +944,8 @@ class RedisTier(Tier):
                     self._refusing = False
                     log.warning("redis %s takes write-behind blocks again; %d block(s) to catch up",
                                 self.target, len(self.queue))
+            if too_big:  # (done after the rest: a finish tells a delete waiting in _settle the batch landed)
+                await self.queue.finish(too_big, written=True)
 
     # -- reads
 
