@@ -84,22 +84,33 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("tls")
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def build(subject: str, issuer: x509.Name | None, signing_key: ec.EllipticCurvePrivateKey | None,
+    def build(subject: str, issuer: x509.Certificate | None, signing_key: ec.EllipticCurvePrivateKey | None,
               ca: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        # The extensions Python 3.13's default context requires (VERIFY_X509_STRICT): key usage on
+        # the CA, key identifiers on both.
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-        builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)
+        issuer_key = (issuer.public_key() if issuer else key.public_key())
+        builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer.subject if issuer else name)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
                    .not_valid_before(now - datetime.timedelta(minutes=5))
                    .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key), critical=False)
+                   .add_extension(x509.KeyUsage(digital_signature=not ca, content_commitment=False,
+                                                key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                                key_cert_sign=ca, crl_sign=ca, encipher_only=False,
+                                                decipher_only=False), critical=True))
         if not ca:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            builder = builder.add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
+                                            critical=False)
         return builder.sign(signing_key or key, hashes.SHA256()), key
 
     ca_cert, ca_key = build("kvstore test CA", None, None, ca=True)
-    cert, key = build("localhost", ca_cert.subject, ca_key, ca=False)
+    cert, key = build("localhost", ca_cert, ca_key, ca=False)
     paths = {"ca": out / "ca.pem", "cert": out / "server.pem", "key": out / "server.key"}
     paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))

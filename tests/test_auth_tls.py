@@ -161,6 +161,23 @@ async def test_tls_round_trip_and_clean_failures(make_server, tls_files: dict[st
         AsyncKVClient(srv.addr, tls="nope.pem")  # (was a bare FileNotFoundError, naming no file)
 
 
+async def test_the_tls_recipe_in_the_operations_guide_gives_certificates_clients_accept(make_server,
+                                                                                       tmp_path: Path) -> None:
+    """docs/operations.md's openssl lines, run as written (Python 3.13's default context refused its
+    CA: no key usage)."""
+    guide = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    block = guide.split("## TLS", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    recipe = "\n".join(line for line in block.splitlines() if not line.startswith("kvstore-server"))
+    subprocess.run(["bash", "-euc", recipe], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    srv = make_server("--capacity", "8MiB", "--tls-cert", str(tmp_path / "server.pem"),
+                      "--tls-key", str(tmp_path / "server.key"), "--token-file", str(tmp_path / "tokens"))
+    token = (tmp_path / "tokens").read_text().strip()
+    async with AsyncKVClient(srv.addr, tls=str(tmp_path / "ca.pem"), server_hostname="kv1.example.internal",
+                             token=token, namespace="recipe", retries=0) as kv:
+        assert (await kv.put([b"k"], [b"v"])).stored == 1
+        assert [bytes(b) for b in await kv.get([b"k"])] == [b"v"]
+
+
 async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server, tls_files: dict[str, Path]) -> None:
     srv = make_server("--capacity", "8MiB", "--max-connections", "2", "--tls-cert", str(tls_files["cert"]),
                       "--tls-key", str(tls_files["key"]))
