@@ -30,13 +30,18 @@ SinkFactory = Callable[[dict[str, Any]], PayloadSink]
 
 #: Before Python 3.12 the stock asyncio socket transport joins ``writelines`` into one ``bytes`` and
 #: copies what the socket does not take at once into its buffer: a 32 MiB put was copied twice
-#: into fresh memory (1 MiB x 32 puts ~4x slower than on uvloop). On such a transport the client
-#: hands it a payload a piece at a time, each when its buffer is empty (:meth:`ClientConnection._pump`).
+#: into fresh memory (1 MiB x 32 puts ~4x slower than on uvloop). From 3.12.0 to 3.12.8 and in
+#: 3.13.0-3.13.1 its ``writelines`` never pauses the protocol (CPython gh-127655): a put to a stalled
+#: server sat whole in the buffer. On such a transport the client hands it a payload a piece at a
+#: time, each when its buffer is empty (:meth:`ClientConnection._pump`).
 PIECE = 1 << 20
 
 
-def _joins_writes(transport: asyncio.BaseTransport) -> bool:
-    return sys.version_info < (3, 12) and type(transport).__module__ == "asyncio.selector_events"
+def _piecewise(transport: asyncio.BaseTransport) -> bool:
+    if type(transport).__module__ != "asyncio.selector_events":
+        return False
+    v = sys.version_info[:3]
+    return v < (3, 12, 9) or (3, 13) <= v < (3, 13, 2)
 
 
 @dataclass
@@ -78,7 +83,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
         tune(transport.get_extra_info("socket"))
-        if _joins_writes(transport):
+        if _piecewise(transport):
             self._out = deque()
             transport.set_write_buffer_limits(high=0)  # resume_writing() whenever its buffer has drained
             self._answer = select.poll()  # (has the server answered? see _pump)
