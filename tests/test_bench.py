@@ -343,10 +343,11 @@ def test_sigterm_stops_the_bench_and_every_server_it_started(tmp_path: Path) -> 
     assert not list(tmp_path.iterdir())
 
 
-def test_ab_servers_of_the_older_tree_import_it_from_any_working_folder(tmp_path: Path) -> None:
+def test_ab_servers_of_the_older_tree_import_it_from_any_working_folder(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m`` puts the working folder first on sys.path: started from the repository, the
     "before" server imported the working tree's package and A/B measured one tree twice."""
-    from kvstore.bench.ab import _env
+    from kvstore.bench.ab import _run_in
 
     pkg = tmp_path / "before"
     (pkg / "kvstore").mkdir(parents=True)
@@ -354,6 +355,7 @@ def test_ab_servers_of_the_older_tree_import_it_from_any_working_folder(tmp_path
     (pkg / "kvstore" / "probe.py").write_text("print(__file__)\n")
     root = Path(__file__).resolve().parents[1]
     assert (root / "kvstore" / "__init__.py").exists() and not (root / "kvstore" / "probe.py").exists()
-    done = subprocess.run([sys.executable, "-m", "kvstore.probe"], env=_env(str(pkg)), cwd=root,
-                          capture_output=True, text=True, timeout=30)
+    monkeypatch.chdir(root)  # (the caller's folder must not matter: the child runs in the tree it tests)
+    done = subprocess.run([sys.executable, "-m", "kvstore.probe"], capture_output=True, text=True, timeout=30,
+                          **_run_in(str(pkg)))
     assert done.returncode == 0 and done.stdout.strip() == str(pkg / "kvstore" / "probe.py"), done.stderr

@@ -132,10 +132,14 @@ def _env(pkg: str | None) -> dict[str, str]:
     env.pop("PYTHONPATH", None)
     if pkg:
         env["PYTHONPATH"] = pkg
-        # ``python -m`` puts the working directory first on sys.path: run from the repository, the
-        # "before" server imported the working tree's package (the same code on both sides).
-        env["PYTHONSAFEPATH"] = "1"
     return env
+
+
+def _run_in(pkg: str | None) -> dict[str, Any]:
+    """``subprocess`` arguments for a child that imports ``pkg``'s kvstore (None: the installed one).
+    It runs in that tree: ``python -m`` imports from the working folder first, and run from the
+    repository the "before" server imported the working tree's package."""
+    return {"env": _env(pkg), "cwd": pkg}
 
 
 def _cpu(pid: int) -> float:
@@ -147,7 +151,7 @@ def _cpu(pid: int) -> float:
 class _Worker:
     def __init__(self, addr: str, tag: str, pkg: str | None) -> None:
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", addr, tag],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(pkg))
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **_run_in(pkg))
         assert self.p.stdin is not None and self.p.stdout is not None
         line = self.p.stdout.readline().strip()
         if line != "READY":
@@ -181,7 +185,7 @@ def compare(before_pkg: str, side: str, reps: int) -> dict[str, Any]:
                 workers[t] = _Worker(srv.addr, t, pkg)
         else:
             for t, pkg in (("before", before_pkg), ("after", None)):
-                srv = servers[t] = ServerProcess("--capacity", "1GiB", "--idle-timeout", "0", env=_env(pkg)).start()
+                srv = servers[t] = ServerProcess("--capacity", "1GiB", "--idle-timeout", "0", **_run_in(pkg)).start()
                 workers[t] = _Worker(srv.addr, t, None)
         for rep in range(reps):
             for case, n in CASES:
