@@ -308,7 +308,7 @@ class RedisTarget(Target):
         async def put(keys: list[bytes], blocks: list[bytearray]) -> None:
             p = self.client.pipeline(transaction=False)
             for k, v in zip(keys, blocks):
-                p.set(k, v, ex=self.PUT_TTL_S)
+                p.set(k, memoryview(v), ex=self.PUT_TTL_S)  # (redis-py encodes a bytearray from 8.0 only)
             await p.execute()
 
         return await _fill(self.capacity, put)
