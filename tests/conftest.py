@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
 from kvstore.server.process import ServerProcess
+
+
+try:
+    import torch
+except ImportError:
+    torch = None
+#: Modules that move torch tensors throughout (others skip their few torch tests without it).
+collect_ignore = ["test_transfer.py", "test_seed_scenario.py", "test_pd_example.py"] if torch is None else []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite moves real torch tensors: without torch it stops at once, unless asked to run
+    what it can (``KVSTORE_TEST_WITHOUT_TORCH=1``, e.g. on a Python with no CPU wheel at hand).
+    torch is the client's optional extra, not a test one, so that installing the test extra never
+    pulls PyPI's multi-GB CUDA build."""
+    if torch is None and not os.environ.get("KVSTORE_TEST_WITHOUT_TORCH"):
+        raise pytest.UsageError("the test suite needs torch (the CPU build): ./scripts/test.sh installs it, "
+                                "or pip install torch==2.13.0 (see README); KVSTORE_TEST_WITHOUT_TORCH=1 "
+                                "runs the rest")
 
 
 @pytest.fixture(autouse=True)

@@ -177,6 +177,7 @@ def test_the_paged_bench_moves_a_cache_through_both_transports_and_reports_every
                                                                                     capsys) -> None:  # type: ignore[no-untyped-def]
     """On CPU tensors here (tests_gpu and docs/performance.md: the same on a GPU); each store and
     load asserts every block stored or found, so a run that finishes moved them all."""
+    pytest.importorskip("torch")
     from kvstore.bench import paged
 
     out = tmp_path / "paged.json"

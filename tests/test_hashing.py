@@ -174,8 +174,8 @@ def test_bad_tokens_and_extras_are_refused() -> None:
     assert canonical_bytes(True) != canonical_bytes(1)
     # a numpy or torch integer is the int it holds (np.int64 was refused), a float stays refused
     import numpy as np
-    import torch
 
+    torch = pytest.importorskip("torch")
     assert canonical_bytes((np.int64(7), torch.tensor(-3))) == canonical_bytes((7, -3))
     assert h.keys([1, 2], extra=np.int32(5)) == h.keys([1, 2], extra=5)
     assert canonical_bytes(torch.tensor([5, 6])) == canonical_bytes(np.array([5, 6])) == canonical_bytes([5, 6])
@@ -214,7 +214,7 @@ def test_namespace_is_readable_and_fingerprints_every_field() -> None:
 
 def test_a_dtype_and_its_alias_share_a_namespace() -> None:
     # torch.half is torch.float16: an engine naming it "half" must find the blocks of one passing the dtype
-    import torch  # the test environment has it (scripts/test.sh)
+    torch = pytest.importorskip("torch")  # (scripts/test.sh installs it)
     args = ("org/Model", "NHD", 0, 16)
     aliases = {"half": torch.float16, "float": torch.float32, "double": torch.float64, "short": torch.int16,
                "int": torch.int32, "long": torch.int64, "cfloat": torch.complex64, "cdouble": torch.complex128}
