@@ -456,8 +456,10 @@ class _WriteQueue:
             self.batch_done.clear()
             return batch
 
-    async def finish(self, batch: list[_Item], written: bool) -> None:
-        """Written: forget the batch. Not written: put it back at the head, in order."""
+    async def finish(self, batch: list[_Item], written: bool) -> bool:
+        """Written: forget the batch. Not written: put it back at the head, in order. True when this
+        drained a backlog large enough for :func:`_trim_heap` to be worth it, once the caller has let
+        go of the batch (its values are still referenced here)."""
         async with self.changed:
             for item in reversed(batch):
                 k = (item.ns, item.key)
@@ -467,11 +469,12 @@ class _WriteQueue:
                 else:
                     self.waiting[k] = item
                     self.waiting.move_to_end(k, last=False)
-            if not self.waiting and not self.inflight and self.peak > _TRIM_AFTER_BYTES:
+            drained = not self.waiting and not self.inflight and self.peak > _TRIM_AFTER_BYTES
+            if drained:
                 self.peak = 0
-                _trim_heap()
             self.batch_done.set()
             self.changed.notify_all()
+            return drained
 
     async def discard(self, match: Callable[[_Item], bool]) -> tuple[set[tuple[str, bytes]], bool]:
         """Drop the blocks for which ``match(item)`` holds, waiting ones and those whose put waits
@@ -909,6 +912,7 @@ class RedisTier(Tier):
         a slow link must not repeat for ever: see ``_BATCH_BYTES``)."""
         while True:
             await self._up.wait()
+            drained = False
             batch = await self.queue.take(self._batch_bytes)
             too_big = [it for it in batch if len(it.value) - HEADER_SIZE > self.max_block]
             if too_big:  # queued before Redis's limit was known (it was down): Redis would drop each try
@@ -918,13 +922,15 @@ class RedisTier(Tier):
                           self.max_block, len(too_big))
                 batch = [it for it in batch if len(it.value) - HEADER_SIZE <= self.max_block]
                 if not batch:
-                    await self.queue.finish(too_big, written=True)
+                    if await self.queue.finish(too_big, written=True):
+                        too_big = []
+                        _trim_heap()
                     continue
             nbytes, began = sum(len(it.value) for it in batch), time.monotonic()
             try:
                 await self._write(batch)
             except Unavailable as exc:
-                await self.queue.finish(batch, written=False)
+                drained = await self.queue.finish(batch, written=False)
                 self._batch_bytes = max(1, nbytes // 2)
                 if self._up.is_set():  # refused (say OOM) while Redis is up: retry later, not in a busy loop
                     if not self._refusing:
@@ -934,10 +940,10 @@ class RedisTier(Tier):
                     await asyncio.sleep(_PROBE_MAX_S)
             except Exception:  # a bug must not silently stop the flusher and strand acknowledged blocks
                 log.exception("redis write-behind flush failed; retrying")
-                await self.queue.finish(batch, written=False)
+                drained = await self.queue.finish(batch, written=False)
                 await asyncio.sleep(_PROBE_MAX_S)
             else:
-                await self.queue.finish(batch, written=True)
+                drained = await self.queue.finish(batch, written=True)
                 rate = nbytes / max(time.monotonic() - began, 1e-4)
                 self._batch_bytes = int(min(_BATCH_BYTES, max(1.0, rate * self.timeout_s / 4)))
                 if self._refusing:
@@ -945,7 +951,10 @@ class RedisTier(Tier):
                     log.warning("redis %s takes write-behind blocks again; %d block(s) to catch up",
                                 self.target, len(self.queue))
             if too_big:  # (done after the rest: a finish tells a delete waiting in _settle the batch landed)
-                await self.queue.finish(too_big, written=True)
+                drained = await self.queue.finish(too_big, written=True) or drained
+            if drained:
+                batch = too_big = []  # (the last references to the backlog's values)
+                _trim_heap()
 
     # -- reads
 
