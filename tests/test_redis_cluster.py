@@ -128,3 +128,27 @@ async def test_the_value_limit_is_the_lowest_of_every_master(redis_cluster: Redi
                 await kv.put(keys, [b"s" * 1000, b"b" * (2 << 20)])
     finally:
         low.cli("CONFIG", "SET", "proto-max-bulk-len", "512mb")
+
+
+async def test_a_server_started_while_a_master_is_down_starts_degraded_and_recovers(
+        redis_cluster: RedisClusterProcesses, make_server) -> None:
+    """With redis-py before 7.2 a master down at start crashed the server (redis-py closed the
+    connections its other nodes' commands were using: AttributeError ... 'writelines'), and one
+    down later could leave the tier degraded for good ("at least one reachable node: None")."""
+    redis_cluster.nodes[2].stop()
+    try:
+        srv = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+        async with AsyncKVClient(srv.addr, namespace="late-master", retries=0) as kv:
+            assert (await kv.stats())["tier"]["state"] == "degraded"
+            redis_cluster.nodes[2].start()
+
+            async def ok() -> bool:
+                return (await kv.stats())["tier"]["state"] == "ok"
+
+            await eventually(ok, 20, "the tier to see the whole cluster")
+            keys = chain(12, "late-master")
+            assert (await kv.put(keys, blocks(keys, 1000))).stored == 12
+        assert holders(redis_cluster, "late-master", keys) == [1] * 12
+    finally:
+        if redis_cluster.nodes[2].proc is None or redis_cluster.nodes[2].proc.poll() is not None:
+            redis_cluster.nodes[2].start()
