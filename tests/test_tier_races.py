@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from typing import Any, Awaitable, Callable, Iterator
 
 import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import Unavailable
+from kvstore.protocol import Frame, FrameReader
 from kvstore.server.process import ServerProcess
 from kvstore.server.redis_tier import block_key
 
@@ -73,6 +75,18 @@ async def racing_puts(a: AsyncKVClient, b: AsyncKVClient, redis: RedisProcess, k
     return first, second
 
 
+async def read_replies(sock: socket.socket, n: int) -> list[Frame]:
+    """The next ``n`` frames the server sends on a raw socket (replies, in the order they come)."""
+    reader, replies = FrameReader(is_server=False), []
+    while len(replies) < n:
+        chunk = await asyncio.to_thread(sock.recv, 65536)
+        assert chunk, "the server closed the connection"
+        reader.feed(chunk)
+        while isinstance(event := reader.next_event(), Frame):
+            replies.append(event)
+    return replies
+
+
 def second_putter(srv: ServerProcess, unix_path: str, via: str) -> tuple[AsyncKVClient, int]:
     """B, and the size of its block: over shared memory, one that goes through the arena (an
     SHM_PUT that finds the key stored reserves nothing, and its answer is the acknowledgement)."""
@@ -127,11 +141,9 @@ async def test_a_put_that_found_its_block_during_a_write_judges_it_at_its_commit
     payload had all arrived. When it failed (the block left memory), B answered "existed" for a
     block then nowhere; when it succeeded and Redis then lost the block, B's first fix answered
     "existed" from A's outcome, skipping the check that writes such a block to Redis again."""
-    import socket
-
     import xxhash
 
-    from kvstore.protocol import EXISTED, Frame, FrameReader, Hello, Put, Reply, encode
+    from kvstore.protocol import EXISTED, Hello, Put, Reply, encode
 
     redis = make_redis()
     srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)
@@ -163,13 +175,7 @@ async def test_a_put_that_found_its_block_during_a_write_judges_it_at_its_commit
                 assert (await first).stored == 1
                 redis.cli("DEL", block_key(NS, key))  # (expired, evicted, or a Redis restarted empty)
             b.sendall(wire[-1000:])  # B's commit, after A's write ended
-            reader, replies = FrameReader(is_server=False), []
-            while len(replies) < 2:
-                chunk = await asyncio.to_thread(b.recv, 65536)
-                assert chunk, "the server closed the connection"
-                reader.feed(chunk)
-                while isinstance(event := reader.next_event(), Frame):
-                    replies.append(event)
+            replies = await read_replies(b, 2)
         put = replies[1].msg
         assert isinstance(put, Reply)
         if meanwhile == "the write fails":
@@ -185,11 +191,9 @@ async def test_a_put_that_loses_its_commit_to_another_is_checked_in_redis_like_o
     """B's payload was arriving when A stored the same key; Redis then lost it (a restart without
     persistence, an expiry). B's commit found the key committed meanwhile and answered "existed"
     without the Redis check a block found in memory gets, so Redis never had it again."""
-    import socket
-
     import xxhash
 
-    from kvstore.protocol import EXISTED, Frame, FrameReader, Hello, Put, Reply, encode
+    from kvstore.protocol import EXISTED, Hello, Put, Reply, encode
 
     srv = make_server("--capacity", MEM, "--redis", redis_server.url)
     [key] = chain(1, "lost-commit")
@@ -204,13 +208,7 @@ async def test_a_put_that_loses_its_commit_to_another_is_checked_in_redis_like_o
             assert (await a.put([key], [data])).stored == 1  # A commits first
             redis_server.cli("DEL", block_key(NS, key))
             b.sendall(wire[-1000:])
-            reader, replies = FrameReader(is_server=False), []
-            while len(replies) < 2:
-                chunk = await asyncio.to_thread(b.recv, 65536)
-                assert chunk, "the server closed the connection"
-                reader.feed(chunk)
-                while isinstance(event := reader.next_event(), Frame):
-                    replies.append(event)
+            replies = await read_replies(b, 2)
         put = replies[1].msg
         assert isinstance(put, Reply) and put.fields["status"] == [EXISTED]
         assert redis_server.cli("EXISTS", block_key(NS, key)) == "1"  # written again before "existed"
@@ -303,11 +301,9 @@ async def test_a_put_then_a_delete_sent_together_leave_the_block_nowhere(redis_s
     """A PUT and a DELETE of the same key in one write: memory ran them in order, but the put's tier
     write started after the delete had noted what to drop, so the block was written after the DEL
     and a later get read it back from Redis."""
-    import socket
-
     import xxhash
 
-    from kvstore.protocol import Delete, Frame, FrameReader, Hello, Put, encode
+    from kvstore.protocol import Delete, Hello, Put, encode
 
     srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-mode", mode)
     keys = chain(5, "put-then-delete")
@@ -319,13 +315,7 @@ async def test_a_put_then_a_delete_sent_together_leave_the_block_nowhere(redis_s
             frames += encode(Put(keys=[k], sizes=[len(d)], checksums=[xxhash.xxh3_64_intdigest(d)]), 2 + 2 * n, [d])
             frames += encode(Delete(keys=[k]), 3 + 2 * n)
         sock.sendall(b"".join(bytes(f) for f in frames))
-        reader, replies = FrameReader(is_server=False), []
-        while len(replies) < 1 + 2 * len(keys):
-            chunk = await asyncio.to_thread(sock.recv, 65536)
-            assert chunk, "the server closed the connection"
-            reader.feed(chunk)
-            while isinstance(event := reader.next_event(), Frame):
-                replies.append(event)
+        replies = await read_replies(sock, 1 + 2 * len(keys))
     assert all(not r.msg.fields.get("errors") for r in replies)
     async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
         await until_stats(kv, "the backlog to drain", lambda st: st["tier"]["backlog_blocks"] == 0)
