@@ -141,9 +141,10 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._pump()
 
     def _pump(self) -> None:
-        """Hand the transport the next piece when its buffer is empty (nothing is copied but what
-        the socket did not take of it); the one after on the next loop turn, so that an answer
-        the server sends meanwhile (an error, before it closes) is read before the next send."""
+        """Hand the transport the next piece when its buffer is empty (it keeps what the socket did
+        not take: a copy before Python 3.12, a view of the caller's memory from 3.12); the one after
+        on the next loop turn, so that an answer the server sends meanwhile (an error, before it
+        closes) is read before the next send."""
         out, transport = self._out, self.transport
         assert out is not None and transport is not None
         if not out or transport.get_write_buffer_size() or transport.is_closing():
@@ -277,10 +278,12 @@ class ClientConnection(asyncio.BufferedProtocol):
         """Whether the transport holds none of a request's payload (the caller's memory) any more."""
         if not payload:
             return True
-        if end is not None:  # paced: each piece handed is the transport's copy
-            return self._handed >= end
-        assert self.transport is not None  # (otherwise: some buffer may be one of the caller's)
-        return not self.transport.get_write_buffer_size()
+        assert self.transport is not None
+        if end is not None and self._handed < end:  # paced: pieces not handed yet
+            return False
+        if end is not None and sys.version_info < (3, 12):  # (a stock transport copied what it kept)
+            return True
+        return not self.transport.get_write_buffer_size()  # (what it keeps may be a view of the caller's)
 
     def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
