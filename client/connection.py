@@ -53,6 +53,8 @@ class _Pending:
     rid: int = 0
     dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
     orphan: Callable[[dict[str, Any]], None] | None = None  # gives back what a dropped reply hands over
+    end: int = 0  # the byte offset, in what the connection sends, just past this request's frame
+    copied: bool = False  # sent from a copy of its own (a small request, paced), not from the caller's memory
 
 
 @dataclass
@@ -71,6 +73,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._can_write: asyncio.Future[None] | None = None
         self._out: deque[Any] | None = None  # pieces waiting for an empty transport buffer (paced)
         self._queued = self._handed = 0  # frame items given to _write / handed whole to the transport
+        self._framed = self._given = 0  # bytes of frames given to _write / to the transport
         self._pump_soon: asyncio.Handle | None = None
         self._answer: Any = None  # (paced: a poll object on the socket)
         self.closed = False
@@ -129,16 +132,22 @@ class ClientConnection(asyncio.BufferedProtocol):
         if self._out:
             self._pump()
 
-    def _write(self, frame: Sequence[Any]) -> None:
+    def _write(self, frame: Sequence[Any]) -> bool:
+        """Send (or queue) a frame's buffers; True if what goes is a copy of them."""
         assert self.transport is not None
+        n = sum(v.nbytes for v in frame)
+        self._framed += n
         if self._out is None:
             self.transport.writelines(frame)
-            return
-        if sum(v.nbytes for v in frame) <= PIECE:
+            self._given += n
+            return False
+        copied = n <= PIECE
+        if copied:
             frame = [b"".join(frame)]  # (one send for a small request)
         self._out.extend(frame)
         self._queued += len(frame)
         self._pump()
+        return copied
 
     def _pump(self) -> None:
         """Hand the transport the next piece when its buffer is empty (it keeps what the socket did
@@ -158,6 +167,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         else:
             self._handed += 1  # (the item's last piece)
         transport.write(piece)
+        self._given += len(piece)
         if out and not transport.get_write_buffer_size():  # (else resume_writing pumps)
             self._pump_later()
 
@@ -254,7 +264,7 @@ class ClientConnection(asyncio.BufferedProtocol):
                 # Its reply came whole between the cancel and now (the caller had not resumed yet).
                 if orphan is not None and p.fields is not None:
                     orphan(p.fields)
-            elif not self.closed and self._handed_over(payload, end):
+            elif not self.closed and self._handed_over(payload, p, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)
                 p.dropped, p.make_sink, p.sink = True, None, None  # (nothing of the caller's is kept)
@@ -274,16 +284,18 @@ class ClientConnection(asyncio.BufferedProtocol):
                 # memory, not to be read once this returns. (A reply comes after the payload.)
                 self.abort(TransportError("the server answered before the request was sent; connection discarded"))
 
-    def _handed_over(self, payload: Sequence[memoryview], end: int | None) -> bool:
+    def _handed_over(self, payload: Sequence[memoryview], p: _Pending, end: int | None) -> bool:
         """Whether the transport holds none of a request's payload (the caller's memory) any more."""
-        if not payload:
+        if not payload or p.copied:
             return True
         assert self.transport is not None
         if end is not None and self._handed < end:  # paced: pieces not handed yet
             return False
         if end is not None and sys.version_info < (3, 12):  # (a stock transport copied what it kept)
             return True
-        return not self.transport.get_write_buffer_size()  # (what it keeps may be a view of the caller's)
+        # What it keeps may be a view of the caller's memory (uvloop; from 3.12, the stock one):
+        # all of this frame has gone to the socket once what it holds starts past the frame's end.
+        return self._given - self.transport.get_write_buffer_size() >= p.end
 
     def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
@@ -316,7 +328,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
         p = self.pending[rid] = _Pending(asyncio.get_running_loop().create_future(), make_sink, rid=rid)
-        self._write(frame)
+        p.copied = self._write(frame)
+        p.end = self._framed
         return p
 
     def _time_out(self, fut: asyncio.Future[Any], timeout: float) -> None:

@@ -487,6 +487,49 @@ async def test_cancelling_one_request_queued_behind_a_put_leaves_the_others_wait
             assert others[0].cancelled()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_cancelled_put_whose_bytes_all_went_keeps_the_connection_for_the_others(make_server, unix_path: str,
+                                                                                  loop: str) -> None:
+    """A put cancelled once its bytes had all gone to the socket, while another caller's put still
+    waited in the transport: the connection was discarded (the transport held bytes, not this put's),
+    failing the other put (uvloop; and Python 3.12-3.13.1's stock loop)."""
+    import uvloop
+
+    srv = make_server("--capacity", "128MiB", "--unix", unix_path, "--no-shm")  # (a 4 MiB send buffer)
+    assert srv.proc is not None
+
+    async def main() -> None:
+        async with AsyncKVClient(f"unix:{unix_path}", namespace="kept", pool_size=1, retries=0, timeout=30) as kv:
+            await kv.ping()
+            conn = kv.nodes[0].conns[0]
+            assert conn.transport is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:  # 1.5 MiB: sent from the caller's memory, and all of it fits in the socket
+                a = asyncio.ensure_future(kv.put(make_keys("kept-a", 1), [os.urandom(3 << 19)]))
+                for _ in range(300):
+                    await asyncio.sleep(0.01)
+                    if not conn.transport.get_write_buffer_size() and not conn._out:
+                        break
+                assert not conn.transport.get_write_buffer_size(), "the first put did not fit in the socket"
+                b_keys = make_keys("kept-b", 8)
+                b = asyncio.ensure_future(kv.put(b_keys, [os.urandom(4 << 20) for _ in range(8)]))
+                for _ in range(300):
+                    await asyncio.sleep(0.01)
+                    if conn.transport.get_write_buffer_size():
+                        break
+                assert conn.transport.get_write_buffer_size(), "the second put's bytes should wait"
+                a.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await a
+                assert not conn.closed  # (was: "request cancelled; connection discarded", and b failed)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert (await b).stored == 8
+            assert await kv.lookup(b_keys) == 8
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
 async def test_a_cancelled_request_leaves_the_other_requests_on_its_connection_alone() -> None:
     """One task's cancelled get_into (a wait_for timing out, before, while or after its reply comes)
     neither fails another task's pinned lookup and unpinning get on the same connection nor leaks
