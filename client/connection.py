@@ -135,7 +135,7 @@ class ClientConnection(asyncio.BufferedProtocol):
     def _write(self, frame: Sequence[Any]) -> bool:
         """Send (or queue) a frame's buffers; True if what goes is a copy of them."""
         assert self.transport is not None
-        n = sum(v.nbytes for v in frame)
+        n = sum(map(len, frame))  # (flat byte views: see _send)
         self._framed += n
         if self._out is None:
             self.transport.writelines(frame)
