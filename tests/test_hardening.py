@@ -226,7 +226,10 @@ async def test_gets_of_many_small_blocks_stop_being_read_by_their_count_not_only
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         sock.connect(("127.0.0.1", srv.port))
         with sock:
-            sock.sendall(b"".join(bytes(b) for i in range(1, 61) for b in encode(Get(keys=[b"tiny"] * 16384), i)))
+            # (sent from a thread: the socket buffers may not hold all 3 MB while the server does
+            # not read, and a blocked loop could not read the replies that let it go on)
+            sending = asyncio.ensure_future(asyncio.to_thread(
+                sock.sendall, b"".join(bytes(b) for i in range(1, 61) for b in encode(Get(keys=[b"tiny"] * 16384), i))))
             answered = -1
             while answered != (answered := (await kv.stats())["requests"].get("get", 0)):
                 await asyncio.sleep(0.5)  # until the server stops answering (it is not read)
@@ -234,11 +237,12 @@ async def test_gets_of_many_small_blocks_stop_being_read_by_their_count_not_only
             sock.settimeout(10)
             reader, replies = FrameReader(is_server=False), []
             while len(replies) < 60:  # read now: every reply comes, whole
-                chunk = sock.recv(1 << 20)
+                chunk = await asyncio.to_thread(sock.recv, 1 << 20)
                 assert chunk, f"connection closed after {len(replies)} replies"
                 reader.feed(chunk)
                 while isinstance(event := reader.next_event(), Frame):
                     replies.append(event)
+            await sending
         assert all(isinstance(f.msg, Reply) and f.msg.fields["sizes"] == [1] * 16384 for f in replies)
         for _ in range(30):  # a reply's pins go once it is written, the last ones at the next sweep (1 s)
             if (stats := await kv.stats())["store"]["pinned_blocks"] == 0:
