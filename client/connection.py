@@ -53,7 +53,7 @@ class _Pending:
     rid: int = 0
     dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
     orphan: Callable[[dict[str, Any]], None] | None = None  # gives back what a dropped reply hands over
-    end: int = 0  # the byte offset, in what the connection sends, just past this request's frame
+    stream_end: int = 0  # the byte offset, in what the connection sends, just past this request's frame
     copied: bool = False  # sent from a copy of its own (a small request, paced), not from the caller's memory
 
 
@@ -295,7 +295,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             return True
         # What it keeps may be a view of the caller's memory (uvloop; from 3.12, the stock one):
         # all of this frame has gone to the socket once what it holds starts past the frame's end.
-        return self._given - self.transport.get_write_buffer_size() >= p.end
+        return self._given - self.transport.get_write_buffer_size() >= p.stream_end
 
     def post(self, msg: Message, timeout: float | None = None) -> None:
         """Send a small request nobody waits for; its answer is read and dropped.
@@ -329,7 +329,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
         p = self.pending[rid] = _Pending(asyncio.get_running_loop().create_future(), make_sink, rid=rid)
         p.copied = self._write(frame)
-        p.end = self._framed
+        p.stream_end = self._framed
         return p
 
     def _time_out(self, fut: asyncio.Future[Any], timeout: float) -> None:
