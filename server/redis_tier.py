@@ -25,6 +25,9 @@ the queue, write-through puts, deletes and write-behind puts that find the
 queue full fail at once with :class:`~kvstore.errors.Unavailable`, and
 :meth:`RedisTier.check_health` (called periodically by the server) probes
 with back-off until Redis answers again; the write-behind queue then drains.
+
+Beside it: :mod:`.redis_layout` (key names, the value header), :mod:`.redis_client` (the client
+the flags name) and :mod:`.write_queue` (the write-behind queue).
 """
 
 from __future__ import annotations
@@ -32,21 +35,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
-import re
-import struct
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Container, Iterable, Sequence
-from urllib.parse import quote, unquote, urlsplit
+from typing import Any, Awaitable, Callable, Sequence
 
 import xxhash
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
 )
@@ -55,23 +52,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstore.config import ServerConfig, format_size
 from kvstore.errors import Unavailable
 
+from .redis_client import client_for
+from .redis_layout import (
+    HEADER_SIZE, KEY_PREFIX, block_key, decode_value, encode_value, key_tag, misplaced,
+    namespace_record, ns_part, ns_record_key,
+)
 from .tier import Tier, TierBlock
+from .write_queue import BATCH_BYTES, QueuedBlock, WriteQueue
 
 log = logging.getLogger(__name__)
-
-# -- layout (documented in docs/redis-layout.md; change both together)
-
-KEY_PREFIX = "kvstore:"
-NS_RECORD_PREFIX = "kvstore-ns:"  # outside "kvstore:*", so a scan of blocks meets only strings
-MAGIC = b"KVB"
-LAYOUT_VERSION = 1
-#: magic, layout version, key tag (see :func:`key_tag`), xxh3-64 of the block as the client computed it
-HEADER = struct.Struct("!3sBIQ")
-HEADER_SIZE = HEADER.size  # 16
-# Namespace characters kept as they are in key names; the rest is %-encoded, so a
-# namespace can never add a ':' (ambiguous names), '{' (a hash tag pinning it to
-# one cluster slot) or a glob character (SCAN MATCH patterns) to a key.
-_NS_SAFE = "/=+,@"
 
 MODES = ("write-through", "write-behind")
 #: Pipelines the tier runs at once (the rest wait their turn). redis-py raises, rather than waits,
@@ -93,149 +82,8 @@ _VALUE_GUESS = 1 << 20  # a read's size before any value was seen: typical KV bl
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RuntimeError)
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
-#: A write-behind backlog that grew past this gives the C heap's free pages back once it drains:
-#: its values are block-sized ``bytes``, and after the first of them is freed glibc serves that
-#: size from its heap (its mmap threshold rises), which it keeps -- RSS stayed at the backlog's
-#: peak (+176 MiB) after every later outage.
-_TRIM_AFTER_BYTES = 32 << 20
-_BATCH_BLOCKS = 64  # write-behind: blocks per flush round trip
-_BATCH_BYTES = 32 << 20  # ... and bytes at most; sized to a quarter of --redis-timeout at the rate the last
-# batch went (a failed one halves it), so a link too slow for 32 MiB per timeout still drains
 _BULK_LEN = 512 << 20  # Redis's default proto-max-bulk-len: it drops a client that sends a longer value
 _PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
-_CLUSTER_FORMS = "host:port[,host:port...] or redis[s]://[[user]:password@]host:port[,host:port...]"
-
-
-def ns_part(ns: str) -> str:
-    """The namespace as it appears in Redis key names."""
-    return quote(ns, safe=_NS_SAFE)
-
-
-def block_key(ns: str, key: bytes) -> str:
-    """``kvstore:<namespace>:<hex key>``: one Redis string per block."""
-    return f"{KEY_PREFIX}{ns_part(ns)}:{key.hex()}"
-
-
-def ns_record_key(ns: str) -> str:
-    """``kvstore-ns:<namespace>``: a hash describing the namespace."""
-    return f"{NS_RECORD_PREFIX}{ns_part(ns)}"
-
-
-def key_tag(name: str) -> int:
-    """The header's tag of the Redis key ``name`` a value is written under (32 bits of its
-    xxh3-64, never 0). The checksum covers the block alone, so a value copied or renamed to
-    another key would pass it; the tag tells. 0 in a header: written before tags (not checked)."""
-    return xxhash.xxh3_64_intdigest(name.encode()) & 0xFFFFFFFF or 1
-
-
-def encode_value(data: Iterable[memoryview | bytes], checksum: int, tag: int) -> bytes:
-    """Header + block bytes: the one copy a Redis value needs (its argument must be one buffer)."""
-    return b"".join([HEADER.pack(MAGIC, LAYOUT_VERSION, tag, checksum), *data])
-
-
-def decode_value(value: bytes) -> tuple[memoryview, int, int] | None:
-    """``(block, checksum, tag)`` from a stored value; ``None`` if it is not a kvstore block value."""
-    if len(value) < HEADER_SIZE:
-        return None
-    magic, version, tag, checksum = HEADER.unpack_from(value)
-    if magic != MAGIC or version != LAYOUT_VERSION:
-        return None
-    return memoryview(value)[HEADER_SIZE:], checksum, tag
-
-
-def _misplaced(tag: int, name: str) -> bool:
-    """A value whose tag names another key (copied or renamed inside Redis)."""
-    return tag != 0 and tag != key_tag(name)
-
-
-def namespace_record(ns: str, ttl_s: int) -> dict[str, str]:
-    """The static fields of a namespace's record: enough for ``HGETALL`` to explain the keys."""
-    return {
-        "namespace": ns,
-        "key_pattern": f"{KEY_PREFIX}{ns_part(ns)}:<hex key>",
-        "segments": json.dumps(ns.split("/")),  # e.g. ["llama3-8b", "bf16", "tp0"]: model, dtype, rank...
-        "value_header": f"{HEADER_SIZE} bytes: magic 'KVB', version {LAYOUT_VERSION}, key tag u32, "
-                        "xxh3-64 u64 (big-endian)",
-        "ttl_s": str(ttl_s),
-    }
-
-
-def redact(url: str) -> str:
-    """``url`` with ``***`` for its password, for logs, stats and errors.
-
-    Everything between ``://`` and the last ``@`` but a ``user:`` is masked, so a password whose
-    ``/``, ``?`` or ``@`` breaks the URL's syntax does not show either; so is a ``?password=`` option.
-    """
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hosts = rest.rpartition("@")
-    if sep and at:
-        user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""  # no ':': all of it may be a password
-        url = f"{scheme}://{user}***@{hosts}"
-    return re.sub(r"([?&][^=&#]*password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
-
-
-def _masked(message: str, url: str) -> str:
-    """A parser's ``message`` about ``url`` with any piece of its password masked: a password
-    holding an unencoded ``/`` or ``?`` breaks the URL there, and the error quotes the pieces."""
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    secret = userinfo.partition(":")[2] if ":" in userinfo else userinfo
-    for piece in sorted(filter(None, re.split(r"[/?#@:]", secret)), key=len, reverse=True):
-        message = message.replace(piece, "***")
-    return message
-
-
-def _check_db(url: str) -> None:
-    """A ``redis://`` URL's path must be a database number: redis-py ignores any other
-    (``/db3`` would write to database 0, perhaps another application's)."""
-    parts = urlsplit(url)
-    db = unquote(parts.path).strip("/")  # (as redis-py reads it: /%33 is database 3)
-    if parts.scheme in ("redis", "rediss") and db and not (db.isascii() and db.isdigit()):
-        raise ValueError("its path is not a database number (redis://host:port/3 for database 3)")
-
-
-def parse_cluster_nodes(spec: str) -> list[tuple[str, int]]:
-    """``"h1:p1,h2:p2"`` -> ``[("h1", p1), ("h2", p2)]``; raises ``ValueError``."""
-    nodes = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        if "@" in item or "/" in item:  # a URL gone wrong: not quoted, it may hold a password
-            raise ValueError(f"--redis-cluster wants {_CLUSTER_FORMS}")
-        host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"--redis-cluster wants host:port[,host:port...], got {item!r}")
-        if not 0 < int(port) < 65536:
-            raise ValueError(f"--redis-cluster: port {port} of {item!r} is not in 1-65535")
-        nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
-    if not nodes:
-        raise ValueError("--redis-cluster names no node")
-    return nodes
-
-
-def cluster_client(spec: str, **options: Any) -> tuple[RedisCluster, str]:
-    """The ``RedisCluster`` a ``--redis-cluster`` value names, and how logs and stats show it.
-
-    ``spec`` is a seed list, ``host:port[,host:port...]``, or a URL around one:
-    ``redis://[[user]:password@]host:port[,...]`` or ``rediss://`` (TLS), with redis-py's URL
-    options (``?ssl_ca_certs=...``) as ``--redis`` takes them. redis-py's ``from_url`` reads the
-    URL without its hosts (it knows one host only); the seeds become ``startup_nodes``. Raises
-    ``ValueError`` that shows the value redacted.
-    """
-    if "://" not in spec:
-        nodes = parse_cluster_nodes(spec)
-        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
-        return client, "cluster " + ",".join(f"{h}:{p}" for h, p in nodes)
-    shown = redact(spec)
-    scheme, _, rest = spec.partition("://")
-    userinfo, at, rest = rest.rpartition("@")  # as redact() splits it: no password in what follows
-    hosts, tail = re.match(r"([^/?#]*)(.*)", rest, re.DOTALL).groups()  # type: ignore[union-attr]
-    try:
-        if scheme not in ("redis", "rediss"):
-            raise ValueError("the scheme must be redis:// or rediss:// (TLS)")
-        nodes = parse_cluster_nodes(hosts)
-        client = RedisCluster.from_url(f"{scheme}://{userinfo}{at}{tail}",
-                                       startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
-    except (ValueError, TypeError, RedisClusterException) as exc:  # (TypeError: an option RedisCluster lacks)
-        raise ValueError(f"bad --redis-cluster value {shown!r}: {_masked(str(exc), spec)}") from None
-    return client, f"cluster {shown}"
 
 
 def _command_error(result: Any) -> bool:
@@ -280,17 +128,7 @@ class _EveryFew:
         log.warning(msg + more, *args)
 
 
-# -- the write-behind queue
-
-
-@dataclass(eq=False)  # identity, not the value's bytes: the queue's set of pending items holds these objects
-class _Item:
-    ns: str
-    key: bytes
-    value: bytes  # header + block, copied out of the arena
-    checksum: int
-    seq: int = 0  # the put's place in arrival order (a delete drops only the copies put before it)
-    cancelled: bool = False  # deleted while in flight or waiting for room: not to be (re-)queued
+# -- flow
 
 
 def _trim_heap() -> None:
@@ -356,145 +194,6 @@ class _ByteBudget:
                 waiter.set_result(None)
 
 
-@dataclass
-class _WriteQueue:
-    """Acknowledged blocks not yet in Redis, bounded in bytes; readable by key."""
-
-    limit: int
-    waiting: OrderedDict[tuple[str, bytes], _Item] = field(default_factory=OrderedDict)
-    inflight: dict[tuple[str, bytes], _Item] = field(default_factory=dict)
-    #: Items whose put waits for room: a delete must cancel them there, or the put would queue
-    #: a block deleted meanwhile and write it back into Redis.
-    pending: set[_Item] = field(default_factory=set)
-    nbytes: int = 0
-    peak: int = 0  # the largest nbytes since the heap was last trimmed
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    batch_done: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Keys not to be taken for now: a delete of them has yet to send its DEL, and a copy put
-    #: after the delete began must reach Redis after that DEL, not before it.
-    held: Container[tuple[str, bytes]] = ()
-
-    def __len__(self) -> int:
-        return len(self.waiting) + len(self.inflight)
-
-    def get(self, ns: str, key: bytes) -> _Item | None:
-        """The queued block, unless a delete or flush has cancelled it (it is then only being written)."""
-        item = self.waiting.get((ns, key)) or self.inflight.get((ns, key))
-        return None if item is None or item.cancelled else item
-
-    def _fits(self, item: _Item) -> bool:
-        return self.nbytes == 0 or self.nbytes + len(item.value) <= self.limit
-
-    async def put(self, items: Sequence[_Item], refuse: Callable[[], bool]) -> bool:
-        """Queue ``items`` in order, each once there is room (one item larger than the limit still
-        passes alone); an item a delete cancels meanwhile is dropped.
-
-        Returns False, leaving none of ``items`` queued, if the queue is full while ``refuse()``
-        holds (Redis is down: the room would come only with the end of the outage).
-        """
-        self.pending.update(items)  # before any await: a delete from now on must find them
-        replaced: dict[int, _Item] = {}  # item index -> the waiting item it took the place of
-        try:
-            async with self.changed:
-                for i, item in enumerate(items):
-                    await self.changed.wait_for(lambda it=item: it.cancelled or self._fits(it) or refuse())
-                    self.pending.discard(item)
-                    if item.cancelled:
-                        continue
-                    if not self._fits(item):
-                        self._unqueue(items[:i], replaced)
-                        return False
-                    old = self.waiting.pop((item.ns, item.key), None)
-                    if old is not None:
-                        self.nbytes -= len(old.value)
-                        replaced[i] = old
-                    self.waiting[(item.ns, item.key)] = item
-                    self.nbytes += len(item.value)
-                    self.peak = max(self.peak, self.nbytes)
-                    self.changed.notify_all()
-                return True
-        finally:
-            self.pending.difference_update(items)
-
-    def _unqueue(self, items: Sequence[_Item], replaced: dict[int, _Item]) -> None:
-        """Take back ``items`` still waiting (their put failed; in flight, they are written anyway),
-        putting back the items of earlier puts they replaced: those puts were acknowledged."""
-        for i, item in enumerate(items):
-            k = (item.ns, item.key)
-            if self.waiting.get(k) is item:
-                del self.waiting[k]
-                self.nbytes -= len(item.value)
-                old = replaced.get(i)
-                if old is not None and not old.cancelled:
-                    self.waiting[k] = old
-                    self.nbytes += len(old.value)
-
-    async def wake(self) -> None:
-        """Let puts waiting for room look again (the tier went down: they are refused now), and the
-        flusher (keys no longer ``held``)."""
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def take(self, max_bytes: int = _BATCH_BYTES) -> list[_Item]:
-        """The oldest blocks not ``held``, up to a batch of ``max_bytes``, moved in flight (waits for
-        at least one; one block larger than ``max_bytes`` goes alone)."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: any(k not in self.held for k in self.waiting))
-            batch: list[_Item] = []
-            size = 0
-            for k, item in self.waiting.items():
-                if k in self.held:
-                    continue
-                if len(batch) >= _BATCH_BLOCKS or (batch and size + len(item.value) > max_bytes):
-                    break
-                batch.append(item)
-                size += len(item.value)
-            for item in batch:
-                k = (item.ns, item.key)
-                del self.waiting[k]
-                self.inflight[k] = item
-            self.batch_done.clear()
-            return batch
-
-    async def finish(self, batch: list[_Item], written: bool) -> bool:
-        """Written: forget the batch. Not written: put it back at the head, in order. True when this
-        drained a backlog large enough for :func:`_trim_heap` to be worth it, once the caller has let
-        go of the batch (its values are still referenced here)."""
-        async with self.changed:
-            for item in reversed(batch):
-                k = (item.ns, item.key)
-                self.inflight.pop(k, None)
-                if written or item.cancelled or k in self.waiting:
-                    self.nbytes -= len(item.value)
-                else:
-                    self.waiting[k] = item
-                    self.waiting.move_to_end(k, last=False)
-            drained = not self.waiting and not self.inflight and self.peak > _TRIM_AFTER_BYTES
-            if drained:
-                self.peak = 0
-            self.batch_done.set()
-            self.changed.notify_all()
-            return drained
-
-    async def discard(self, match: Callable[[_Item], bool]) -> tuple[set[tuple[str, bytes]], bool]:
-        """Drop the blocks for which ``match(item)`` holds, waiting ones and those whose put waits
-        for room: the keys dropped, and True if any matching block is in flight (cancelled, so not
-        re-queued; the caller waits for its write to land)."""
-        async with self.changed:
-            dropped = {k for k, item in self.waiting.items() if match(item)}
-            for k in dropped:
-                self.nbytes -= len(self.waiting.pop(k).value)
-            for item in self.pending:
-                if match(item) and not item.cancelled:
-                    item.cancelled = True
-                    dropped.add((item.ns, item.key))
-            hit = [item for item in self.inflight.values() if match(item)]
-            for item in hit:
-                item.cancelled = True
-            self.changed.notify_all()
-            return dropped, bool(hit)
-
-
 # -- the tier
 
 
@@ -532,7 +231,7 @@ class RedisTier(Tier):
         self.ttl_s = ttl_s
         self.flush_timeout = flush_timeout
         self.timeout_s = timeout_s
-        self.queue = _WriteQueue(max(1, queue_bytes))
+        self.queue = WriteQueue(max(1, queue_bytes))
         self._up = asyncio.Event()  # set while Redis answers
         self._last_error = ""
         self._last_error_at: float | None = None  # (wall clock: when, for the stats)
@@ -541,7 +240,7 @@ class RedisTier(Tier):
         self._probe_delay = _PROBE_MIN_S
         self._key_warnings = _EveryFew()
         self._flusher: asyncio.Task[None] | None = None
-        self._batch_bytes = _BATCH_BYTES  # write-behind batch bound (see _BATCH_BYTES)
+        self._batch_bytes = BATCH_BYTES  # write-behind batch bound (see BATCH_BYTES)
         self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
         self._giving_up = asyncio.Event()  # close(): stop flushing now
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
@@ -556,7 +255,7 @@ class RedisTier(Tier):
         #: lost. Write-through puts wait for the events; write-behind ones are queued, held there.
         self._deleting: dict[tuple[str, bytes], list[asyncio.Event]] = {}
         self.queue.held = self._deleting
-        self._seq = 0  # puts so far (``_Item.seq``)
+        self._seq = 0  # puts so far (``QueuedBlock.seq``)
         self._waking: asyncio.Task[None] | None = None
         self._wakers: set[asyncio.Task[None]] = set()
         self._pipelines = asyncio.Semaphore(MAX_PIPELINES)  # in flight at once, each on a connection per node
@@ -570,29 +269,10 @@ class RedisTier(Tier):
     @classmethod
     def from_config(cls, config: ServerConfig) -> RedisTier | None:
         """The tier the config asks for, or ``None`` (memory only). Raises ``ValueError`` on bad settings."""
-        if config.redis and config.redis_cluster:
-            raise ValueError("give --redis or --redis-cluster, not both")
-        if not config.redis and not config.redis_cluster:
+        made = client_for(config, max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS)
+        if made is None:
             return None
-        timeouts: dict[str, Any] = {
-            "socket_timeout": config.redis_timeout, "socket_connect_timeout": min(1.0, config.redis_timeout),
-            # One quick retry covers a pooled connection that died with a restarted Redis; the
-            # library default (10 retries, jittered back-off to 10 s) would stall requests for minutes.
-            "retry": Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
-        }
-        client: Redis | RedisCluster
-        if config.redis:
-            try:
-                client = Redis.from_url(config.redis, max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS, **timeouts)
-                pool = client.connection_pool  # an option Redis lacks (?foo=1) fails here, not at the first request
-                pool.connection_class(**pool.connection_kwargs)  # (builds a connection object; connects nothing)
-                _check_db(config.redis)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {_masked(str(exc), config.redis)}") from None
-            target = redact(config.redis)
-        else:
-            client, target = cluster_client(config.redis_cluster or "", max_connections=MAX_PIPELINES + _SPARE_CONNECTIONS,
-                                            **timeouts)
+        client, target = made
         return cls(client, target=target, mode=config.redis_mode, queue_bytes=config.redis_queue_bytes,
                    ttl_s=config.redis_ttl, flush_timeout=max(config.drain_seconds, 5.0),
                    timeout_s=config.redis_timeout)
@@ -842,7 +522,7 @@ class RedisTier(Tier):
 
     # -- writes
 
-    def _set_commands(self, items: Sequence[_Item]) -> list[tuple[Any, ...]]:
+    def _set_commands(self, items: Sequence[QueuedBlock]) -> list[tuple[Any, ...]]:
         """SET per block, plus the namespace records' hints (HINCRBY) in the same round trip."""
         ttl = ("EX", self.ttl_s) if self.ttl_s else ()
         cmds: list[tuple[Any, ...]] = [("SET", block_key(it.ns, it.key), it.value, *ttl) for it in items]
@@ -867,7 +547,7 @@ class RedisTier(Tier):
         if value_bytes > self._value_bytes.get(ns, 0):
             self._value_bytes[ns] = value_bytes
 
-    async def _write(self, items: Sequence[_Item]) -> None:
+    async def _write(self, items: Sequence[QueuedBlock]) -> None:
         """SET ``items`` in pipelines of at most ``_PIPELINE_BYTES``."""
         sizes = [len(it.value) for it in items]
         for it, n in zip(items, sizes):
@@ -893,7 +573,7 @@ class RedisTier(Tier):
         """
         # The views are pinned only while this call runs: copy them out before the first await.
         self._seq += 1
-        items = [_Item(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum,
+        items = [QueuedBlock(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum,
                        self._seq) for b in blocks]
         dels = {ev for it in items for ev in self._deleting.get((ns, it.key), ())} if self._deleting else ()
         gate = self._flushing.get(ns)
@@ -909,7 +589,7 @@ class RedisTier(Tier):
     async def _flush_loop(self) -> None:
         """Write-behind: drain the queue in batches while Redis is up; a failed batch goes back to the
         head and the next one is half its size, a written one sizes the next to the link (a timeout on
-        a slow link must not repeat for ever: see ``_BATCH_BYTES``)."""
+        a slow link must not repeat for ever: see ``BATCH_BYTES``)."""
         while True:
             await self._up.wait()
             drained = False
@@ -945,7 +625,7 @@ class RedisTier(Tier):
             else:
                 drained = await self.queue.finish(batch, written=True)
                 rate = nbytes / max(time.monotonic() - began, 1e-4)
-                self._batch_bytes = int(min(_BATCH_BYTES, max(1.0, rate * self.timeout_s / 4)))
+                self._batch_bytes = int(min(BATCH_BYTES, max(1.0, rate * self.timeout_s / 4)))
                 if self._refusing:
                     self._refusing = False
                     log.warning("redis %s takes write-behind blocks again; %d block(s) to catch up",
@@ -1035,7 +715,7 @@ class RedisTier(Tier):
                                        block_key(ns, key))
             return None
         data, checksum, tag = decoded
-        if _misplaced(tag, block_key(ns, key)):
+        if misplaced(tag, block_key(ns, key)):
             # Its checksum holds (it is another key's block, whole), so only the server can tell: a miss.
             self.counters["fetch_misses"] += 1
             self.counters["misplaced_values"] += 1
@@ -1076,12 +756,12 @@ class RedisTier(Tier):
                 heads = [b""] * len(ask)
             for i, head in zip(ask, heads):
                 decoded = decode_value(head) if isinstance(head, bytes) else None
-                out[i] = decoded is not None and not _misplaced(decoded[2], block_key(ns, keys[i]))
+                out[i] = decoded is not None and not misplaced(decoded[2], block_key(ns, keys[i]))
         return out
 
     # -- deletes
 
-    async def _settle(self, match: Callable[[_Item], bool]) -> set[str]:
+    async def _settle(self, match: Callable[[QueuedBlock], bool]) -> set[str]:
         """Drop queued blocks (the Redis names of those dropped are returned: they count as deleted);
         if one is being written, let that write land first, so our DEL comes after."""
         dropped, inflight = await self.queue.discard(match)

@@ -14,7 +14,7 @@ from kvstore.client import AsyncKVClient, KVClient
 from kvstore.config import ServerConfig
 from kvstore.errors import IntegrityError, KVStoreError
 from kvstore.server.app import Server
-from kvstore.server.redis_tier import HEADER_SIZE, block_key
+from kvstore.server.redis_layout import HEADER_SIZE, block_key
 
 from redis_fixtures import RedisProcess, redis_server  # noqa: F401  (fixture)
 from shm_helpers import MakeServer, data, key, shm_locate, shm_release, unix_path  # noqa: F401  (fixture)

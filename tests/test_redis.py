@@ -21,7 +21,8 @@ from typing import Any
 from kvstore.client import AsyncKVClient
 from kvstore.errors import IntegrityError, TooLarge, Unavailable
 from kvstore.server.process import ServerProcess
-from kvstore.server.redis_tier import HEADER, HEADER_SIZE, MAGIC, MAX_PIPELINES, block_key, key_tag, ns_record_key
+from kvstore.server.redis_layout import HEADER, HEADER_SIZE, MAGIC, block_key, key_tag, ns_record_key
+from kvstore.server.redis_tier import MAX_PIPELINES
 
 from redis_fixtures import blocks, chain, payloads, RedisProcess, SlowLink, eventually, make_redis, redis_server  # noqa: F401  (fixtures)
 from shm_helpers import unix_path  # noqa: F401  (a fixture)

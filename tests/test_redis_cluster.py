@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.client import AsyncKVClient
 from kvstore.errors import TooLarge, Unavailable
-from kvstore.server.redis_tier import block_key, ns_record_key
+from kvstore.server.redis_layout import block_key, ns_record_key
 
 from redis_fixtures import blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
 

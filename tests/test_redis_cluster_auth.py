@@ -18,7 +18,7 @@ import pytest
 from kvstore.client import AsyncKVClient
 from kvstore.errors import Unavailable
 from kvstore.server.process import ServerProcess
-from kvstore.server.redis_tier import block_key
+from kvstore.server.redis_layout import block_key
 
 from redis_fixtures import RedisClusterProcesses, RedisProcess, blocks, chain, free_port, payloads, wait_until
 

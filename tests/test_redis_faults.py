@@ -20,7 +20,8 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import TooLarge, Unavailable
 from redis.asyncio import Redis
 
-from kvstore.server.redis_tier import HEADER_SIZE, RedisTier, block_key
+from kvstore.server.redis_layout import HEADER_SIZE, block_key
+from kvstore.server.redis_tier import RedisTier
 from kvstore.server.tier import TierBlock
 
 from redis_fixtures import (  # noqa: F401  (fixtures)

@@ -19,7 +19,7 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import Unavailable
 from kvstore.protocol import Frame, FrameReader
 from kvstore.server.process import ServerProcess
-from kvstore.server.redis_tier import block_key
+from kvstore.server.redis_layout import block_key
 
 from shm_helpers import unix_path  # noqa: F401  (a fixture)
 from redis_fixtures import (  # noqa: F401  (fixtures)
