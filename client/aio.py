@@ -3,22 +3,17 @@
 One client talks to one server, or to several (``addr`` a list): keys are then
 spread by rendezvous hashing (:mod:`.sharding`) and each batch operation costs
 one round trip per server, in parallel. Each server gets a small pool of
-pipelined connections.
+pipelined connections (:mod:`.node`); replies land in :mod:`.buffers`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import ctypes
 import logging
-import math
-import os
 import ssl
-import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
@@ -26,8 +21,8 @@ from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout,
-    ServerError, TooLarge, TransportError, from_code,
+    BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, ServerError, TooLarge,
+    from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (
@@ -36,20 +31,15 @@ from kvstore.protocol import (
 )
 
 from . import replies, workers
-from .connection import ClientConnection, Response, open_connection
-from .shm import GetOutcome, ShmChannel, ShmGone, open_channel
+from .buffers import GetSink, Recycler
+from .connection import Response
+from .node import Node
+from .shm import GetOutcome, ShmGone
 from .sharding import Ring
 from .workers import run_parallel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-#: Forks this process descends from: a forked child's copy of a client shares its parent's
-#: sockets (and its event loop's epoll set), so it must never use nor close them.
-_forks = [0]
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
-
 
 def checksum(block: memoryview) -> int:
     """The block checksum stored beside every block: xxh3-64 (tens of GB/s)."""
@@ -72,364 +62,6 @@ class PutResult:
     failed: int
     statuses: list[str]
     errors: dict[int, KVStoreError] = field(default_factory=dict)
-
-
-def _parse_addr(addr: str) -> tuple[str, int]:
-    if "://" in addr:  # ("http://h:7600" would parse as the host "http://h" and fail at the resolver)
-        raise InvalidRequest(f"address must be 'host:port' (no scheme), got {addr!r}")
-    host, sep, port = addr.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-class _Recycler:
-    """Buffers for ``get`` without caller buffers: the ones callers dropped, reused.
-
-    A new ``bytearray(n)`` of a large block is fresh memory from the OS, zeroed
-    and page-faulted before a byte is received (~1 GB/s on a small VM against
-    tens of GB/s into touched memory; the benchmark's ``get`` of 1 MiB x 32 ran
-    at 40 % of ``get_into`` for it). A block ``get`` returns is the caller's for
-    as long as it holds a reference -- or anything made from it: a memoryview,
-    a numpy array or a tensor over it holds one too. When the recycler's own
-    reference is the last (CPython's reference count), the block is unreachable
-    and its touched memory serves the next ``get`` of that size. Holds at most
-    ``max_bytes`` of blocks; looks at a few per request, never scans them all.
-    """
-
-    _PROBE = 4  # candidates checked per request before a new buffer is made
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.held = 0
-        self._by_size: dict[int, deque[bytearray]] = {}
-
-    def take(self, size: int) -> bytearray:
-        q = self._by_size.get(size)
-        if q:
-            for _ in range(min(len(q), self._PROBE)):
-                buf = q.popleft()
-                q.append(buf)
-                if sys.getrefcount(buf) == 3:  # the deque, `buf`, getrefcount's argument: nobody else
-                    if len(buf) == size:
-                        return buf
-                    q.pop()  # resized by its last holder (extend, del buf[i:]): not of this size any more
-                    self.held -= size
-        buf = bytearray(size)
-        if self.held + size > self.max_bytes:
-            self._trim(size)
-        if self.held + size <= self.max_bytes:
-            self._by_size.setdefault(size, deque()).append(buf)
-            self.held += size
-        return buf
-
-    def _trim(self, size: int) -> None:
-        """Let go of a few dropped buffers of other sizes (a size no longer asked for must not pin memory)."""
-        looked = 0
-        for other, q in list(self._by_size.items()):
-            if other == size:
-                continue
-            for _ in range(len(q)):
-                looked += 1
-                buf = q.popleft()
-                if sys.getrefcount(buf) == 2:  # `buf`, getrefcount's argument: free, forget it
-                    self.held -= other
-                else:
-                    q.append(buf)
-                if looked >= 16:
-                    break
-            if not q:
-                del self._by_size[other]
-            if looked >= 16 or self.held + size <= self.max_bytes:
-                return
-
-
-class _GetSink:
-    """Receives a GET reply's blocks into new (or recycled) buffers, or into the caller's.
-
-    With ``verify``, each block is checksummed piece by piece as it lands
-    (``received``), while the piece is still in cache; a block that passes gets
-    checksum 0 (nothing left to check), one that fails keeps its checksum and the
-    caller reports it. ``finish`` settles the last block.
-    """
-
-    def __init__(self, fields: dict[str, Any], keys: Sequence[bytes], buffers: Sequence[memoryview] | None,
-                 recycler: _Recycler | None = None, verify: bool = False) -> None:
-        n = len(keys)
-        self.keys = keys
-        sizes = replies.block_sizes(fields.get("sizes"), n, "GET")
-        sums = replies.checksums(fields.get("checksums"), n, "GET")
-        self.index = [i for i, s in enumerate(sizes) if s >= 0]
-        self.sizes = [sizes[i] for i in self.index]
-        self.checksums = sums
-        self.buffers = buffers
-        self.recycler = recycler
-        self.verify = verify
-        self.out: list[memoryview | bytearray | None] = [None] * n
-        self.errors: dict[int, KVStoreError] = {}
-        self._hasher: Any = None  # of the block arriving now, when it is checked
-        self._hashing = -1
-
-    def target(self, j: int) -> list[memoryview] | None:
-        self.finish()  # block j-1 is complete
-        i, size = self.index[j], self.sizes[j]
-        if self.buffers is None:
-            buf = self.recycler.take(size) if self.recycler is not None else bytearray(size)
-            dst: memoryview | bytearray = buf
-        else:
-            dst = self.buffers[i]
-            if len(dst) != size:
-                self.errors[i] = replies.size_error(self.keys[i], size, len(dst))
-                return None
-        self.out[i] = dst
-        if self.verify and self.checksums[i]:
-            self._hasher, self._hashing = xxhash.xxh3_64(), i
-        return [memoryview(dst)]
-
-    def received(self, j: int, piece: memoryview) -> None:
-        if self._hasher is not None:
-            self._hasher.update(piece)
-
-    def finish(self) -> None:
-        if self._hasher is not None:
-            if self._hasher.intdigest() == self.checksums[self._hashing]:
-                self.checksums[self._hashing] = 0
-            self._hasher = None
-
-
-_CLOSED = "the client is closed"
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-class _Node:
-    """One server: a small pool of pipelined connections, opened lazily."""
-
-    def __init__(self, addr: str, client: AsyncKVClient) -> None:
-        self.addr = addr
-        self.unix: str | None = addr[len("unix:"):] if addr.startswith("unix:") else None  # a Unix socket path
-        if self.unix == "":
-            raise InvalidRequest("a Unix socket address is 'unix:/path/to.sock'")
-        self.host, self.port = ("localhost", 0) if self.unix else _parse_addr(addr)
-        self.client = client
-        self.shm: ShmChannel | None = None  # the server's arena, mapped (client/shm.py)
-        self.shm_tried: str | None = None  # the server instance an attach was last tried with
-        self.conns: list[ClientConnection] = []
-        # Connections being opened, each by a task of its own: they count toward pool_size, and a caller
-        # that finds every slot taken by one waits for it instead of queueing for a connect of its own
-        # (queued connects would add up: a server that never answers would cost each caller every
-        # wait before its own).
-        self.opening: set[asyncio.Task[ClientConnection]] = set()
-        self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
-        # What one request may carry: the client's own limits, and the server's once its HELLO says.
-        self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
-        self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
-        self.failed_told = -math.inf  # when a log line last said a lookup (or exists) went on without it
-        self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
-        self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
-        self.down_until = -math.inf  # quarantined until (the client's ``quarantine``), after ...
-        self.down_error: TransportError | None = None  # ... this failure,
-        self.failures = 0  # the latest of so many in a row
-
-    def batches(self, sizes: Sequence[int]) -> list[range]:
-        """A batch cut into consecutive runs within the server's payload and key limits: one
-        frame of a long prompt's KV (several GB for a large model) would be refused whole."""
-        if len(sizes) <= self.max_batch and sum(sizes) <= self.max_payload:  # the usual case: one run
-            return [range(len(sizes))]
-        out: list[range] = []
-        lo = total = 0
-        for i, n in enumerate(sizes):
-            if i > lo and (i - lo >= self.max_batch or total + n > self.max_payload):
-                out.append(range(lo, i))
-                lo, total = i, 0
-            total += n
-        out.append(range(lo, len(sizes)))
-        return out
-
-    def key_runs(self, n: int) -> list[range]:
-        """``n`` keys of a request that carries no blocks (lookup, exists, ...) in runs the server's
-        ``--max-batch`` allows: a chain of a very long prompt can pass it (16,384 blocks by default)."""
-        step = self.max_batch
-        return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
-
-    @property
-    def limits_known(self) -> bool:
-        """Whether an open connection's HELLO has told this server's limits (and arena): once none
-        is open, the next may reach a server restarted with others (a smaller --max-batch)."""
-        return self.hello_seen and any(not c.closed for c in self.conns)
-
-    async def ready(self, idempotent: bool = True) -> None:
-        """Before a request to this server is cut, when no open connection has told its limits
-        (its first request, or after its connections closed): a PING, so that a HELLO's limits
-        (and arena) shape the cut. Its attempts are the request's (a failure here is the request's
-        failure); a round trip more, once per server and reconnection."""
-        if not self.limits_known:
-            await self.call(Ping(), idempotent=idempotent)
-
-    def _at_home(self) -> bool:
-        """Whether this process and event loop own the node's connections (or it has none yet)."""
-        if self.home is None:
-            return True
-        return self.home[0] == _forks[0] and self.home[1] is asyncio.get_running_loop()
-
-    async def connection(self) -> ClientConnection:
-        if self.client.closed:  # (a request in flight while the client closed must not reconnect)
-            raise TransportError(_CLOSED)
-        if self.home is None:
-            self.home = (_forks[0], asyncio.get_running_loop())
-        elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
-            if self.home[0] != _forks[0]:
-                raise TransportError("this AsyncKVClient was made in the parent of a fork; make a new one "
-                                     "in this process")
-            raise TransportError("this AsyncKVClient's connections belong to the event loop it first ran on "
-                                 "(an asyncio.run per call?); use one client per event loop")
-        for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
-            if not conn.pending and not conn.closed:
-                return conn
-        self.conns = [c for c in self.conns if not c.closed]
-        idle = [c for c in self.conns if c.in_flight == 0]
-        if idle:
-            return idle[0]
-        if len(self.conns) + len(self.opening) < self.client.pool_size:
-            task = asyncio.ensure_future(self._open())
-            task.add_done_callback(_retrieve)  # (its callers may all have gone: no "never retrieved" log)
-            self.opening.add(task)
-            waiting = {task}
-        elif self.conns:
-            return min(self.conns, key=lambda c: c.in_flight)
-        else:
-            waiting = set(self.opening)
-        # (wait() does not cancel the opening when this caller is cancelled: other callers may share it)
-        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        opened = done.pop()
-        if opened.cancelled():  # by close()
-            raise TransportError(_CLOSED)
-        error = opened.exception()  # (shared by every caller that waited for this open)
-        if error is None:
-            conn = opened.result()
-            if conn.closed:  # (one of the caller's attempts: reconnecting here never ends with a peer that hangs up)
-                raise conn.close_reason or TransportError(f"{self.addr} closed the connection")
-            return conn
-        # Refused (say, the server's connection limit) while other connections are open or
-        # opening: use those rather than fail the call.
-        pending = set(self.opening)
-        while pending and not any(not c.closed for c in self.conns):
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        live = [c for c in self.conns if not c.closed]
-        if not live:  # (a copy per caller: one shared object would gather every caller's frames)
-            raise copy.copy(error) from error
-        return min(live, key=lambda c: c.in_flight)
-
-    async def _open(self) -> ClientConnection:
-        """Open one pool connection, in a task of its own; close() cancels it (its socket is then closed)."""
-        c = self.client
-        try:
-            conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
-                                         limits=c.limits, timeout=c.connect_timeout,
-                                         server_hostname=c.server_hostname or self.host, unix=self.unix)
-            limits = conn.hello.get("limits")
-            if isinstance(limits, dict):  # (a server that does not say keeps the client's own)
-                for name in ("max_payload", "max_batch"):
-                    if type(limits.get(name)) is int and limits[name] > 0:
-                        setattr(self, name, min(getattr(c.limits, name), limits[name]))
-            try:
-                async with self._attaching:
-                    self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
-            except BaseException:
-                await conn.discard(TransportError("shared-memory attach failed; connection discarded"))
-                raise
-            if c.closed:  # close()'s cancel came as the open ended (and was lost): join nothing
-                await conn.discard(TransportError(_CLOSED))
-                raise TransportError(_CLOSED)
-            self.conns.append(conn)
-            self.hello_seen = True  # (after the attach: a call that saw it early would pass the arena by)
-            return conn
-        finally:
-            self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
-
-    async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
-                   make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
-                   orphan: Callable[[Response], None] | None = None) -> Response:
-        """One request, retried on a lost connection if ``idempotent``.
-
-        ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
-        cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
-        """
-        c = self.client
-        if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
-            self.check_up()
-        attempts = 1 + (c.retries if idempotent else 0)
-        for attempt in range(attempts):
-            try:
-                conn = await self.connection()
-                request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
-                resp = await request if orphan is None else await _kept(request, orphan)
-                self.failures = 0
-                return resp
-            except RequestTimeout:
-                raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
-            except TransportError as exc:
-                if attempt == attempts - 1 or c.closed:
-                    if c.closed:
-                        raise
-                    if self.addr in str(exc):
-                        raise self.failed(exc)
-                    raise self.failed(type(exc)(f"{self.addr}: {exc}")) from exc  # ("connection lost": whose?)
-                await asyncio.sleep(c.backoff * 2**attempt)
-        raise AssertionError("unreachable")
-
-    def check_up(self) -> None:
-        """Raise at once while the server is quarantined (the client's ``quarantine``)."""
-        if self.down_error is not None and time.monotonic() < self.down_until:
-            raise TransportError(f"{self.addr} is not asked for {self.down_until - time.monotonic():.1f}s more "
-                                 f"(quarantine) after: {self.down_error}")
-
-    def failed(self, exc: TransportError) -> TransportError:
-        """Note a call that failed for good: with a ``quarantine``, the server is not asked for a while
-        (calls that fail while it is already quarantined, having started before, do not extend it)."""
-        q = self.client.quarantine
-        now = time.monotonic()
-        if q and now >= self.down_until:
-            self.failures += 1
-            self.down_until, self.down_error = now + q * 2 ** min(self.failures - 1, 3), exc
-            log.warning("%s failed (%s): not asked for %.1fs", self.addr, exc, self.down_until - now)
-        return exc
-
-    async def close(self) -> None:
-        opening, self.opening = self.opening, set()
-        conns, self.conns = self.conns, []
-        at_home, self.home = self._at_home(), None
-        if not at_home:  # another loop's or the parent's sockets: forgotten here, never touched
-            self.shm, self.shm_tried = None, None
-            return
-        for conn in conns:  # what a request cut off by this reports (not "closed by server")
-            conn.close_reason = conn.close_reason or TransportError(_CLOSED)
-        closing = asyncio.gather(*(conn.aclose() for conn in conns))
-        while opening:  # cut off connects and HELLOs in progress (again while one runs on: wait_for on
-            for task in opening:  # Python 3.11 can drop a cancel); each closes its socket as it ends
-                task.cancel()
-            _, opening = await asyncio.wait(opening, timeout=0.1)
-        await closing
-        if self.shm is not None:
-            self.shm.segment.close()
-        self.shm, self.shm_tried = None, None  # (also when close() cut off the first attach)
-
-
-async def _kept(request: Awaitable[Response], orphan: Callable[[Response], None]) -> Response:
-    """Await ``request``; if the caller is cancelled first, let it finish and hand its reply to ``orphan``."""
-    task = asyncio.ensure_future(request)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        def settle(t: asyncio.Future[Response]) -> None:
-            if not t.cancelled() and t.exception() is None:  # (a failed one: nothing to hand on)
-                orphan(t.result())
-
-        task.add_done_callback(settle)
-        raise
 
 
 class AsyncKVClient:
@@ -511,10 +143,10 @@ class AsyncKVClient:
         self.verify = verify
         self.limits = limits
         self.shm = shm
-        self._recycler = _Recycler(recycle_bytes) if recycle_bytes > 0 else None
+        self._recycler = Recycler(recycle_bytes) if recycle_bytes > 0 else None
         self.split_bytes = split_bytes
         self._block_bytes = 0  # average block size of the last get: how big an unsized read is
-        self.nodes = [_Node(a, self) for a in addrs]
+        self.nodes = [Node(a, self) for a in addrs]
         self.closed = False  # by close(), until connect()
         self._background: set[asyncio.Future[None]] = set()  # leases given back after a failed lookup
         self.ring = Ring([n.addr for n in self.nodes])
@@ -541,7 +173,7 @@ class AsyncKVClient:
         await asyncio.gather(*(n.close() for n in self.nodes))
 
     # -- sharding helpers
-    def _groups(self, keys: Sequence[bytes]) -> list[tuple[_Node, Sequence[int]]]:
+    def _groups(self, keys: Sequence[bytes]) -> list[tuple[Node, Sequence[int]]]:
         """Key indexes per server, each in the keys' order (one server: a range, no list)."""
         if len(self.nodes) == 1:
             return [(self.nodes[0], range(len(keys)))]
@@ -550,20 +182,20 @@ class AsyncKVClient:
             groups.setdefault(self.ring.node_of(k), []).append(i)
         return [(self.nodes[n], idx) for n, idx in groups.items()]
 
-    def _local_parent(self, node: _Node, key: bytes | None) -> bytes | None:
+    def _local_parent(self, node: Node, key: bytes | None) -> bytes | None:
         """``key`` as the parent of a server's share of a put, if that server holds it: a
         parent named but absent marks the block stranded (its predecessor was evicted)."""
         if key is None or len(self.nodes) == 1 or self.nodes[self.ring.node_of(key)] is node:
             return key
         return None
 
-    def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[_Node, Sequence[int]]]:
+    def _read_groups(self, keys: Sequence[bytes], buffers: Sequence[memoryview] | None) -> list[tuple[Node, Sequence[int]]]:
         """Like :meth:`_groups`, with a large read split into parts of at least
         ``split_bytes`` that go out in parallel over the server's pooled connections
         (block sizes: the buffers', or the last reply's average for ``get``), and one
         too big for a single reply into parts the server's limits allow."""
         groups = self._groups(keys)
-        out: list[tuple[_Node, Sequence[int]]] = []
+        out: list[tuple[Node, Sequence[int]]] = []
         for node, idx in groups:
             sizes = [len(buffers[i]) for i in idx] if buffers is not None else [self._block_bytes] * len(idx)
             runs = node.batches(sizes)
@@ -579,8 +211,8 @@ class AsyncKVClient:
             out += [(node, idx[k:k + step]) for k in range(0, len(idx), step)]
         return out
 
-    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[_Node, Sequence[int]], Awaitable[T]],
-                        groups: list[tuple[_Node, Sequence[int]]] | None = None) -> list[tuple[Sequence[int], T]]:
+    async def _per_node(self, keys: Sequence[bytes], fn: Callable[[Node, Sequence[int]], Awaitable[T]],
+                        groups: list[tuple[Node, Sequence[int]]] | None = None) -> list[tuple[Sequence[int], T]]:
         groups = self._groups(keys) if groups is None else groups
         if len(groups) == 1:  # one server: no gather, no task (each costs loop iterations per request)
             node, idx = groups[0]
@@ -620,7 +252,7 @@ class AsyncKVClient:
         if not keys:
             return PutResult(0, 0, 0, [])
 
-        async def one(node: _Node, idx: Sequence[int]) -> list[tuple[int, str | None] | KVStoreError]:
+        async def one(node: Node, idx: Sequence[int]) -> list[tuple[int, str | None] | KVStoreError]:
             try:
                 await node.ready()
             except KVStoreError as exc:  # (this share's keys fail; the others' stand)
@@ -641,7 +273,7 @@ class AsyncKVClient:
                     return outcome + [exc] * (len(idx) - len(outcome))  # (a list: _per_node raises an exception)
             return outcome
 
-        async def put_part(node: _Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
+        async def put_part(node: Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
                            before: bytes | None) -> list[tuple[int, str | None]]:
             nbytes = sum(sizes)
             too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
@@ -698,12 +330,12 @@ class AsyncKVClient:
         if not keys:
             return 0
 
-        pinned: list[tuple[_Node, Sequence[int]]] = []  # the leases taken, by key index
+        pinned: list[tuple[Node, Sequence[int]]] = []  # the leases taken, by key index
 
-        def leased(lo: int, hi: int) -> list[tuple[_Node, list[bytes]]]:
+        def leased(lo: int, hi: int) -> list[tuple[Node, list[bytes]]]:
             return [(node, [keys[i] for i in ix if lo <= i < hi]) for node, ix in pinned]
 
-        async def one(node: _Node, idx: Sequence[int]) -> int:
+        async def one(node: Node, idx: Sequence[int]) -> int:
             await node.ready(idempotent=not pin)
             found = 0
             for run in node.key_runs(len(idx)):  # (a run starts where the one before found every key)
@@ -750,8 +382,8 @@ class AsyncKVClient:
             raise
         return first_missing
 
-    async def _answered(self, keys: Sequence[bytes], one: Callable[[_Node, Sequence[int]], Awaitable[T]],
-                        what: str) -> list[tuple[_Node, Sequence[int], T | None]]:
+    async def _answered(self, keys: Sequence[bytes], one: Callable[[Node, Sequence[int]], Awaitable[T]],
+                        what: str) -> list[tuple[Node, Sequence[int], T | None]]:
         """Each server, its share of ``keys`` and its answer, None for a server that failed (a
         ``KVStoreError``) while another answered; raises when none did."""
         groups = self._groups(keys)
@@ -772,7 +404,7 @@ class AsyncKVClient:
                 log.warning("%s goes on without %s, its keys counted as missing: %s", what, node.addr, r)
         return [(node, idx, None if isinstance(r, BaseException) else r) for (node, idx), r in zip(groups, results)]
 
-    def _unpin_orphan(self, node: _Node, part: list[bytes], resp: Response) -> None:
+    def _unpin_orphan(self, node: Node, part: list[bytes], resp: Response) -> None:
         """Give back what a pinned LOOKUP pinned after its caller stopped waiting (cancelled)."""
         n = resp.fields.get("n")
         if type(n) is int and 0 < n <= len(part) and not self.closed:
@@ -786,9 +418,9 @@ class AsyncKVClient:
         return task
 
     @staticmethod
-    async def _unpin_quietly(leases: list[tuple[_Node, list[bytes]]]) -> None:
+    async def _unpin_quietly(leases: list[tuple[Node, list[bytes]]]) -> None:
         """Drop leases, in runs the servers take; best effort: a lease not dropped ends with its time."""
-        async def drop(node: _Node, keys: list[bytes]) -> None:
+        async def drop(node: Node, keys: list[bytes]) -> None:
             for run in node.key_runs(len(keys)):
                 await node.call(Unpin(keys=keys[run.start:run.stop]), idempotent=False)
 
@@ -839,7 +471,7 @@ class AsyncKVClient:
     async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
-        unready: dict[_Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
+        unready: dict[Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
         if not all(node.limits_known for node in self.nodes):  # (a first call: the parts follow the limits)
             nodes = [node for node, _ in self._groups(keys)]
             for node, r in zip(nodes, await asyncio.gather(*(n.ready(not unpin) for n in nodes), return_exceptions=True)):
@@ -848,7 +480,7 @@ class AsyncKVClient:
                 elif isinstance(r, BaseException):
                     raise r
 
-        async def one(node: _Node, idx: Sequence[int]) -> _GetSink | GetOutcome:
+        async def one(node: Node, idx: Sequence[int]) -> GetSink | GetOutcome:
             bufs = _pick(buffers, idx) if buffers is not None else None
             try:
                 if node in unready:
@@ -859,7 +491,7 @@ class AsyncKVClient:
                         return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
                 share = _pick(keys, idx)
                 resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin,
-                                       make_sink=lambda f: _GetSink(f, share, bufs, self._recycler, self.verify))
+                                       make_sink=lambda f: GetSink(f, share, bufs, self._recycler, self.verify))
             except TooLarge as exc:
                 if buffers is not None or len(idx) < 2:  # (with buffers the sizes were known: a block too large)
                     return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
@@ -871,7 +503,7 @@ class AsyncKVClient:
                                   {**first.errors, **{half + j: e for j, e in second.errors.items()}})
             except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
                 return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
-            assert isinstance(resp.sink, _GetSink)  # (a reply without payload has one too)
+            assert isinstance(resp.sink, GetSink)  # (a reply without payload has one too)
             resp.sink.finish()
             return resp.sink
 
@@ -907,7 +539,7 @@ class AsyncKVClient:
         if not keys:
             return []
 
-        async def one(node: _Node, idx: Sequence[int]) -> list[bool]:
+        async def one(node: Node, idx: Sequence[int]) -> list[bool]:
             await node.ready()
             out: list[bool] = []
             for run in node.key_runs(len(idx)):
@@ -939,7 +571,7 @@ class AsyncKVClient:
         """The server's statistics; with several servers, ``{"servers": {addr: stats}}``, and
         ``"errors": {addr: message}`` for those that failed (it raises only when none answered:
         a dashboard of four servers should show the three that are up)."""
-        async def one(node: _Node) -> dict[str, Any]:
+        async def one(node: Node) -> dict[str, Any]:
             st = (await node.call(Stats())).fields.get("stats")
             if not isinstance(st, dict):
                 raise ProtocolError(f"malformed STATS reply from {node.addr}")
@@ -960,7 +592,7 @@ class AsyncKVClient:
     async def ping(self) -> float:
         """Round-trip time in seconds (the slowest server's, when several)."""
 
-        async def one(node: _Node) -> float:
+        async def one(node: Node) -> float:
             t0 = time.perf_counter()  # (not loop.time(): uvloop's moves in whole milliseconds)
             await node.call(Ping())
             return time.perf_counter() - t0
@@ -970,7 +602,7 @@ class AsyncKVClient:
         return max(await asyncio.gather(*(one(n) for n in self.nodes)))
 
     async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
-        async def one(node: _Node, idx: Sequence[int]) -> int:
+        async def one(node: Node, idx: Sequence[int]) -> int:
             await node.ready(idempotent)
             n = 0
             for run in node.key_runs(len(idx)):

@@ -49,7 +49,8 @@ from .connection import ClientConnection, Response
 from .workers import run_parallel
 
 if TYPE_CHECKING:
-    from .aio import AsyncKVClient, _Node
+    from .aio import AsyncKVClient
+    from .node import Node
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -321,7 +322,7 @@ class ShmChannel:
     #: 512 KiB x 4 1044 vs 885, 1 MiB x 32 11.4 ms vs 5.6). Gets take the arena at every size.
     inline_put_bytes = 2 << 20
 
-    def __init__(self, node: _Node, segment: ShmSegment) -> None:
+    def __init__(self, node: Node, segment: ShmSegment) -> None:
         self.node = node
         self.segment = segment
 
@@ -509,7 +510,7 @@ class ShmChannel:
         return sums
 
 
-async def open_channel(node: _Node, conn: ClientConnection) -> ShmChannel | None:
+async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     """The node's shm channel after opening ``conn``: kept, (re-)attached, or None (socket path).
 
     Attaches when the server offers shm in its HELLO reply and either the

@@ -583,17 +583,17 @@ async def test_a_call_that_starts_while_the_arena_is_attached_waits_for_it(
         make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second call arriving after the first connection's HELLO but before its arena is mapped must
     not take the socket for a block only the arena can carry (it got TooLarge)."""
-    import kvstore.client.aio as aio
+    import kvstore.client.node as node
 
     attaching = asyncio.Event()
-    real_open_channel = aio.open_channel
+    real_open_channel = node.open_channel
 
     async def slow_open_channel(node: Any, conn: Any) -> Any:
         attaching.set()
         await asyncio.sleep(0.3)
         return await real_open_channel(node, conn)
 
-    monkeypatch.setattr(aio, "open_channel", slow_open_channel)
+    monkeypatch.setattr(node, "open_channel", slow_open_channel)
     make_server("--capacity", "8MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
     block = bytes(range(256)) * 6000  # 1.5 MB: over the frame limit
     kv = AsyncKVClient(f"unix:{unix_path}", namespace="p")
@@ -658,7 +658,7 @@ async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_f
         make_server: MakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that pinned its share's first run and then stopped answering: the drop of the
     leases past the answer waited on it too (a new connection's HELLO: connect_timeout)."""
-    from kvstore.client.aio import _Node
+    from kvstore.client.node import Node
     from kvstore.protocol import Lookup
 
     a, b = make_server("--capacity", "8MiB"), make_server("--capacity", "8MiB", "--max-batch", "4")
@@ -668,9 +668,9 @@ async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_f
     assert sum(ring.nodes[ring.node_of(k)] == b.addr for k in keys) > 4  # b's share takes two runs or more
     kv = AsyncKVClient([a.addr, b.addr], namespace="p", timeout=1.0, connect_timeout=30.0, retries=0)
     lookups_to_b = 0
-    real_call = _Node.call
+    real_call = Node.call
 
-    async def call(self: _Node, msg: Any, *args: Any, **kwargs: Any) -> Any:
+    async def call(self: Node, msg: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal lookups_to_b
         if isinstance(msg, Lookup) and self.addr == b.addr:
             lookups_to_b += 1
@@ -680,7 +680,7 @@ async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_f
 
     try:
         await kv.put(keys, [bytes([i]) * 100 for i in range(40)])
-        monkeypatch.setattr(_Node, "call", call)
+        monkeypatch.setattr(Node, "call", call)
         try:  # answered after b's 1 s timeout, not after a 30 s HELLO to give b's leases back
             n = await asyncio.wait_for(kv.lookup(keys, pin=True, lease_ms=600_000), 15)
         finally:

@@ -1,0 +1,275 @@
+"""``Node``: one server as a client sees it -- a small pool of pipelined connections, opened
+lazily, with retries and a quarantine after failures. :class:`~.aio.AsyncKVClient` cuts its
+batches per server and sends each share through that server's node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+
+from kvstore.errors import InvalidRequest, RequestTimeout, TransportError
+from kvstore.protocol import Message, Ping, Unpin
+
+from .connection import ClientConnection, Response, open_connection
+from .shm import ShmChannel, open_channel
+
+if TYPE_CHECKING:
+    from .aio import AsyncKVClient
+
+log = logging.getLogger(__name__)
+
+#: Forks this process descends from: a forked child's copy of a client shares its parent's
+#: sockets (and its event loop's epoll set), so it must never use nor close them.
+_forks = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    if "://" in addr:  # ("http://h:7600" would parse as the host "http://h" and fail at the resolver)
+        raise InvalidRequest(f"address must be 'host:port' (no scheme), got {addr!r}")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+CLOSED = "the client is closed"
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class Node:
+    """One server: a small pool of pipelined connections, opened lazily."""
+
+    def __init__(self, addr: str, client: AsyncKVClient) -> None:
+        self.addr = addr
+        self.unix: str | None = addr[len("unix:"):] if addr.startswith("unix:") else None  # a Unix socket path
+        if self.unix == "":
+            raise InvalidRequest("a Unix socket address is 'unix:/path/to.sock'")
+        self.host, self.port = ("localhost", 0) if self.unix else parse_addr(addr)
+        self.client = client
+        self.shm: ShmChannel | None = None  # the server's arena, mapped (client/shm.py)
+        self.shm_tried: str | None = None  # the server instance an attach was last tried with
+        self.conns: list[ClientConnection] = []
+        # Connections being opened, each by a task of its own: they count toward pool_size, and a caller
+        # that finds every slot taken by one waits for it instead of queueing for a connect of its own
+        # (queued connects would add up: a server that never answers would cost each caller every
+        # wait before its own).
+        self.opening: set[asyncio.Task[ClientConnection]] = set()
+        self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
+        # What one request may carry: the client's own limits, and the server's once its HELLO says.
+        self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
+        self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
+        self.failed_told = -math.inf  # when a log line last said a lookup (or exists) went on without it
+        self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
+        self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
+        self.down_until = -math.inf  # quarantined until (the client's ``quarantine``), after ...
+        self.down_error: TransportError | None = None  # ... this failure,
+        self.failures = 0  # the latest of so many in a row
+
+    def batches(self, sizes: Sequence[int]) -> list[range]:
+        """A batch cut into consecutive runs within the server's payload and key limits: one
+        frame of a long prompt's KV (several GB for a large model) would be refused whole."""
+        if len(sizes) <= self.max_batch and sum(sizes) <= self.max_payload:  # the usual case: one run
+            return [range(len(sizes))]
+        out: list[range] = []
+        lo = total = 0
+        for i, n in enumerate(sizes):
+            if i > lo and (i - lo >= self.max_batch or total + n > self.max_payload):
+                out.append(range(lo, i))
+                lo, total = i, 0
+            total += n
+        out.append(range(lo, len(sizes)))
+        return out
+
+    def key_runs(self, n: int) -> list[range]:
+        """``n`` keys of a request that carries no blocks (lookup, exists, ...) in runs the server's
+        ``--max-batch`` allows: a chain of a very long prompt can pass it (16,384 blocks by default)."""
+        step = self.max_batch
+        return [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    @property
+    def limits_known(self) -> bool:
+        """Whether an open connection's HELLO has told this server's limits (and arena): once none
+        is open, the next may reach a server restarted with others (a smaller --max-batch)."""
+        return self.hello_seen and any(not c.closed for c in self.conns)
+
+    async def ready(self, idempotent: bool = True) -> None:
+        """Before a request to this server is cut, when no open connection has told its limits
+        (its first request, or after its connections closed): a PING, so that a HELLO's limits
+        (and arena) shape the cut. Its attempts are the request's (a failure here is the request's
+        failure); a round trip more, once per server and reconnection."""
+        if not self.limits_known:
+            await self.call(Ping(), idempotent=idempotent)
+
+    def _at_home(self) -> bool:
+        """Whether this process and event loop own the node's connections (or it has none yet)."""
+        if self.home is None:
+            return True
+        return self.home[0] == _forks[0] and self.home[1] is asyncio.get_running_loop()
+
+    async def connection(self) -> ClientConnection:
+        if self.client.closed:  # (a request in flight while the client closed must not reconnect)
+            raise TransportError(CLOSED)
+        if self.home is None:
+            self.home = (_forks[0], asyncio.get_running_loop())
+        elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
+            if self.home[0] != _forks[0]:
+                raise TransportError("this AsyncKVClient was made in the parent of a fork; make a new one "
+                                     "in this process")
+            raise TransportError("this AsyncKVClient's connections belong to the event loop it first ran on "
+                                 "(an asyncio.run per call?); use one client per event loop")
+        for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
+            if not conn.pending and not conn.closed:
+                return conn
+        self.conns = [c for c in self.conns if not c.closed]
+        idle = [c for c in self.conns if c.in_flight == 0]
+        if idle:
+            return idle[0]
+        if len(self.conns) + len(self.opening) < self.client.pool_size:
+            task = asyncio.ensure_future(self._open())
+            task.add_done_callback(_retrieve)  # (its callers may all have gone: no "never retrieved" log)
+            self.opening.add(task)
+            waiting = {task}
+        elif self.conns:
+            return min(self.conns, key=lambda c: c.in_flight)
+        else:
+            waiting = set(self.opening)
+        # (wait() does not cancel the opening when this caller is cancelled: other callers may share it)
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        opened = done.pop()
+        if opened.cancelled():  # by close()
+            raise TransportError(CLOSED)
+        error = opened.exception()  # (shared by every caller that waited for this open)
+        if error is None:
+            conn = opened.result()
+            if conn.closed:  # (one of the caller's attempts: reconnecting here never ends with a peer that hangs up)
+                raise conn.close_reason or TransportError(f"{self.addr} closed the connection")
+            return conn
+        # Refused (say, the server's connection limit) while other connections are open or
+        # opening: use those rather than fail the call.
+        pending = set(self.opening)
+        while pending and not any(not c.closed for c in self.conns):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        live = [c for c in self.conns if not c.closed]
+        if not live:  # (a copy per caller: one shared object would gather every caller's frames)
+            raise copy.copy(error) from error
+        return min(live, key=lambda c: c.in_flight)
+
+    async def _open(self) -> ClientConnection:
+        """Open one pool connection, in a task of its own; close() cancels it (its socket is then closed)."""
+        c = self.client
+        try:
+            conn = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
+                                         limits=c.limits, timeout=c.connect_timeout,
+                                         server_hostname=c.server_hostname or self.host, unix=self.unix)
+            limits = conn.hello.get("limits")
+            if isinstance(limits, dict):  # (a server that does not say keeps the client's own)
+                for name in ("max_payload", "max_batch"):
+                    if type(limits.get(name)) is int and limits[name] > 0:
+                        setattr(self, name, min(getattr(c.limits, name), limits[name]))
+            try:
+                async with self._attaching:
+                    self.shm = await open_channel(self, conn)  # attach, keep, or drop the shared arena
+            except BaseException:
+                await conn.discard(TransportError("shared-memory attach failed; connection discarded"))
+                raise
+            if c.closed:  # close()'s cancel came as the open ended (and was lost): join nothing
+                await conn.discard(TransportError(CLOSED))
+                raise TransportError(CLOSED)
+            self.conns.append(conn)
+            self.hello_seen = True  # (after the attach: a call that saw it early would pass the arena by)
+            return conn
+        finally:
+            self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
+                   make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
+                   orphan: Callable[[Response], None] | None = None) -> Response:
+        """One request, retried on a lost connection if ``idempotent``.
+
+        ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
+        cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
+        """
+        c = self.client
+        if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
+            self.check_up()
+        attempts = 1 + (c.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                conn = await self.connection()
+                request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+                resp = await request if orphan is None else await _kept(request, orphan)
+                self.failures = 0
+                return resp
+            except RequestTimeout:
+                raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
+            except TransportError as exc:
+                if attempt == attempts - 1 or c.closed:
+                    if c.closed:
+                        raise
+                    if self.addr in str(exc):
+                        raise self.failed(exc)
+                    raise self.failed(type(exc)(f"{self.addr}: {exc}")) from exc  # ("connection lost": whose?)
+                await asyncio.sleep(c.backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def check_up(self) -> None:
+        """Raise at once while the server is quarantined (the client's ``quarantine``)."""
+        if self.down_error is not None and time.monotonic() < self.down_until:
+            raise TransportError(f"{self.addr} is not asked for {self.down_until - time.monotonic():.1f}s more "
+                                 f"(quarantine) after: {self.down_error}")
+
+    def failed(self, exc: TransportError) -> TransportError:
+        """Note a call that failed for good: with a ``quarantine``, the server is not asked for a while
+        (calls that fail while it is already quarantined, having started before, do not extend it)."""
+        q = self.client.quarantine
+        now = time.monotonic()
+        if q and now >= self.down_until:
+            self.failures += 1
+            self.down_until, self.down_error = now + q * 2 ** min(self.failures - 1, 3), exc
+            log.warning("%s failed (%s): not asked for %.1fs", self.addr, exc, self.down_until - now)
+        return exc
+
+    async def close(self) -> None:
+        opening, self.opening = self.opening, set()
+        conns, self.conns = self.conns, []
+        at_home, self.home = self._at_home(), None
+        if not at_home:  # another loop's or the parent's sockets: forgotten here, never touched
+            self.shm, self.shm_tried = None, None
+            return
+        for conn in conns:  # what a request cut off by this reports (not "closed by server")
+            conn.close_reason = conn.close_reason or TransportError(CLOSED)
+        closing = asyncio.gather(*(conn.aclose() for conn in conns))
+        while opening:  # cut off connects and HELLOs in progress (again while one runs on: wait_for on
+            for task in opening:  # Python 3.11 can drop a cancel); each closes its socket as it ends
+                task.cancel()
+            _, opening = await asyncio.wait(opening, timeout=0.1)
+        await closing
+        if self.shm is not None:
+            self.shm.segment.close()
+        self.shm, self.shm_tried = None, None  # (also when close() cut off the first attach)
+
+
+async def _kept(request: Awaitable[Response], orphan: Callable[[Response], None]) -> Response:
+    """Await ``request``; if the caller is cancelled first, let it finish and hand its reply to ``orphan``."""
+    task = asyncio.ensure_future(request)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def settle(t: asyncio.Future[Response]) -> None:
+            if not t.cancelled() and t.exception() is None:  # (a failed one: nothing to hand on)
+                orphan(t.result())
+
+        task.add_done_callback(settle)
+        raise
