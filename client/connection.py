@@ -69,7 +69,6 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._current: _Pending | None = None
         self._can_write: asyncio.Future[None] | None = None
         self._out: deque[Any] | None = None  # pieces waiting for an empty transport buffer (paced)
         self._queued = self._handed = 0  # frame items given to _write / handed whole to the transport

@@ -108,8 +108,7 @@ class ShmSegment:
             pass
 
 
-def attach(path: str, *, namespace: str, token: str | None, timeout: float | None,
-           populate: bool = True) -> ShmSegment:
+def attach(path: str, *, namespace: str, token: str | None, timeout: float | None) -> ShmSegment:
     """Map the arena of the server listening on Unix socket ``path`` (blocking; run it in a thread).
 
     Raises:
@@ -133,7 +132,7 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float | Non
         fields = _ask(sock, reader, ShmAttach(), 2, fds, deadline)
         if len(fds) != 1:
             raise ProtocolError(f"SHM_ATTACH reply carried {len(fds)} descriptors, not 1")
-        return _map(fds[0], fields, populate)
+        return _map(fds[0], fields)
     finally:
         sock.close()
         for fd in fds:
@@ -205,13 +204,13 @@ def _attach_error(exc: OSError) -> TransportError:
     return TransportError(_TIMED_OUT if isinstance(exc, TimeoutError) else f"shm attach: {exc.strerror or exc}")
 
 
-def _map(fd: int, fields: dict[str, Any], populate: bool) -> ShmSegment:
+def _map(fd: int, fields: dict[str, Any]) -> ShmSegment:
     size, page_size, instance = fields.get("size"), fields.get("page_size"), fields.get("instance")
     if type(size) is not int or type(page_size) is not int or not isinstance(instance, str) or size <= 0:
         raise ProtocolError("malformed SHM_ATTACH reply")
     if os.fstat(fd).st_size < size:
         raise ProtocolError("the shared arena is smaller than announced")
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)  # no first-touch faults later
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no first-touch faults later
     region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return ShmSegment(region, page_size, instance)
 

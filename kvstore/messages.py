@@ -66,13 +66,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _check_keys(keys: Any, limits: Limits, *, allow_empty: bool = True) -> None:
+def _check_keys(keys: Any, limits: Limits) -> None:
     if not isinstance(keys, list):
         raise InvalidRequest("keys must be a list of byte strings")
     if len(keys) > limits.max_batch:
         raise TooLarge(f"batch of {len(keys)} keys is over the limit of {limits.max_batch}")
-    if not keys and not allow_empty:
-        raise InvalidRequest("empty batch")
     check_keys(keys)
 
 

@@ -37,7 +37,7 @@ import contextlib
 import ctypes
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.config import ServerConfig, format_size
 from kvstore.errors import Unavailable
+from kvstore.throttle import ThrottledLog
 
 from .redis_client import client_for
 from .redis_layout import (
@@ -106,26 +107,6 @@ def _describe(exc: BaseException) -> str:
         text = text.rsplit("caused error:", 1)[1].strip()
     text = "".join(c if c.isprintable() else "?" for c in text)
     return f"{type(exc).__name__}: {text[:200]}"
-
-
-class _EveryFew:
-    """At most one warning of a kind every ``seconds``; the next one says how many were held back
-    (a hot corrupted block is read again and again: one line per read would flood the log)."""
-
-    def __init__(self, seconds: float = 10.0) -> None:
-        self.seconds = seconds
-        self._next: dict[str, float] = {}
-        self._held: Counter[str] = Counter()
-
-    def warning(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now < self._next.get(kind, 0.0):
-            self._held[kind] += 1
-            return
-        self._next[kind] = now + self.seconds
-        held = self._held.pop(kind, 0)
-        more = f" ({held} more like it since the last one not logged)" if held else ""
-        log.warning(msg + more, *args)
 
 
 # -- flow
@@ -238,7 +219,7 @@ class RedisTier(Tier):
         self._degraded_since: float | None = None
         self._next_probe = 0.0
         self._probe_delay = _PROBE_MIN_S
-        self._key_warnings = _EveryFew()
+        self._key_warnings = ThrottledLog(log)
         self._flusher: asyncio.Task[None] | None = None
         self._batch_bytes = BATCH_BYTES  # write-behind batch bound (see BATCH_BYTES)
         self._refusing = False  # write-behind: Redis answers but refuses the blocks (say OOM)
@@ -705,13 +686,13 @@ class RedisTier(Tier):
             return None
         if isinstance(value, Exception):  # e.g. WRONGTYPE: not a string, so not one of our blocks
             self.counters["fetch_misses"] += 1
-            self._key_warnings.warning("unreadable", "redis key %s could not be read (%s); treated as a miss",
+            self._key_warnings.warning("redis key %s could not be read (%s); treated as a miss",
                                        block_key(ns, key), _describe(value))
             return None
         decoded = decode_value(value)
         if decoded is None:
             self.counters["fetch_misses"] += 1
-            self._key_warnings.warning("foreign", "redis key %s does not hold a kvstore block value; ignored",
+            self._key_warnings.warning("redis key %s does not hold a kvstore block value; ignored",
                                        block_key(ns, key))
             return None
         data, checksum, tag = decoded
@@ -719,7 +700,7 @@ class RedisTier(Tier):
             # Its checksum holds (it is another key's block, whole), so only the server can tell: a miss.
             self.counters["fetch_misses"] += 1
             self.counters["misplaced_values"] += 1
-            self._key_warnings.warning("misplaced", "redis key %s holds the block of another key (copied or "
+            self._key_warnings.warning("redis key %s holds the block of another key (copied or "
                                        "renamed in redis); treated as a miss", block_key(ns, key))
             return None
         self.counters["fetched_blocks"] += 1
@@ -727,7 +708,7 @@ class RedisTier(Tier):
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             # Returned anyway: the client checks the same checksum and reports the corruption.
             self.counters["checksum_mismatches"] += 1
-            self._key_warnings.warning("checksum", "redis key %s fails its checksum (corrupted in redis)",
+            self._key_warnings.warning("redis key %s fails its checksum (corrupted in redis)",
                                        block_key(ns, key))
         return data, checksum
 

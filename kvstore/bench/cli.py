@@ -264,13 +264,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             rss: dict[str, Any] = {}
             if kv is not None:
                 st = (await kv.stats())["store"]
-                rss["kvstore"] = rss_summary("kvstore", proc_rss(kv.pid), st["bytes"])
+                rss["kvstore"] = rss_summary(proc_rss(kv.pid), st["bytes"])
                 rss["kvstore"]["capacity"] = st["capacity"]
             if redis is not None:
                 if "fill" not in skip:  # its big replies made it evict (RedisTarget): full again, as kvstore is
                     await redis.fill()
                 mem = await redis.memory()
-                rss["redis"] = rss_summary("redis", mem["used_memory_rss"], await redis.stored_bytes())
+                rss["redis"] = rss_summary(mem["used_memory_rss"], await redis.stored_bytes())
                 rss["redis"]["used_memory"] = mem["used_memory"]
             res["rss_per_stored_gib"] = rss
         if "lookup" not in skip and kv is not None:

@@ -291,7 +291,7 @@ def draw_chart(res: dict[str, Any], path: str) -> str | None:
     return None
 
 
-def rss_summary(name: str, rss: int | None, stored: int | None) -> dict[str, Any]:
+def rss_summary(rss: int | None, stored: int | None) -> dict[str, Any]:
     return {"rss": rss, "stored_bytes": stored,
             "rss_per_stored_gib": round(rss / stored, 3) if rss and stored else None,
             "note": "" if stored else "nothing stored"}

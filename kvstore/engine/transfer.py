@@ -29,6 +29,7 @@ host->device copy per payload. On a CPU cache they go straight between CPU tenso
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import operator
@@ -316,16 +317,8 @@ class PagedKVTransfer:
 
     def _on_side_stream(self) -> Any:
         if self._stream is None:
-            return _NullContext()
+            return contextlib.nullcontext()
         return _SideStream(self._stream)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class _SideStream:

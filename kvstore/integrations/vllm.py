@@ -81,6 +81,7 @@ from kvstore.client import KVClient
 from kvstore.client.tokens import read_token_file
 from kvstore.engine.transfer import PagedKVTransfer, PayloadMismatch, unusable
 from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
+from kvstore.throttle import ThrottledLog
 
 __all__ = [
     "KVStoreConnector",
@@ -376,25 +377,6 @@ class KVStoreLoadStoreSpec(LoadStoreSpec):
         return f"KVStoreLoadStoreSpec({len(self.keys)} chunks)"
 
 
-class _Warnings:
-    """Warnings of one kind at most once per ``every`` seconds, the next one counting those held
-    back: a server that stopped answering fails every request of every scheduling step."""
-
-    def __init__(self, every: float = 10.0) -> None:
-        self.every = every
-        self.last: dict[str, float] = {}
-        self.held: Counter[str] = Counter()
-
-    def warning(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self.last.get(msg, -float("inf")) < self.every:
-            self.held[msg] += 1
-            return
-        self.last[msg] = now
-        held = self.held.pop(msg, 0)
-        logger.warning(msg + (f" (and {held} more like it in {self.every:.0f}s)" if held else ""), *args)
-
-
 class KVStoreOffloadingManager(OffloadingManager):
     """vLLM's scheduler-side offloading manager, with the kvstore server as its index.
 
@@ -458,7 +440,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._step_pins: Counter[bytes] = Counter()  # leases this step took that no load has claimed
         self._storing: Counter[bytes] = Counter()  # chunks in prepared, uncompleted stores
         self.round_trips = 0  # requests sent to the server (for tests and diagnostics)
-        self._warnings = _Warnings()
+        self._warnings = ThrottledLog(logger)
 
     @property
     def client(self) -> KVClient:
@@ -908,7 +890,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KVStoreLoadStoreSpec), type(dst_spec)
         parts = self._parts(src_spec, dst_spec.keys, dst_spec.parents)
-        gathered = self._gathers.submit(self._gather, job_id, parts, self._ready_event())
+        gathered = self._gathers.submit(self._gather, parts, self._ready_event())
         self._gathered[job_id] = gathered
         self._jobs[job_id] = self._stores.submit(self._store, job_id, gathered)
         return True
@@ -996,7 +978,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         return event
 
     # -- the jobs (on the executor threads)
-    def _gather(self, job_id: int, parts: list[_Part], ready: torch.cuda.Event | None) -> _Staged | None:
+    def _gather(self, parts: list[_Part], ready: torch.cuda.Event | None) -> _Staged | None:
         """Copy a store job's whole chunks into host buffers (None: skipped, the backlog is full)."""
         if ready is not None:
             ready.synchronize()

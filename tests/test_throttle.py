@@ -1,0 +1,28 @@
+"""ThrottledLog: one line per kind per window, the next one counting what was held back."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvstore.throttle import ThrottledLog
+
+
+def test_a_kind_is_logged_once_per_window_and_the_next_line_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    log = ThrottledLog(logging.getLogger("kvstore.test.throttle"), seconds=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvstore.test.throttle"):
+        for key in ("a", "b", "c"):
+            log.warning("redis key %s is corrupt", key)
+        log.warning("redis %s is down", "r1")  # another kind: not held back by the first
+        now[0] += 9.9
+        log.warning("redis key %s is corrupt", "d")
+        now[0] += 0.1
+        log.warning("redis key %s is corrupt", "e")
+        log.warning("redis key %s is corrupt", "f")
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis key a is corrupt",
+        "redis r1 is down",
+        "redis key e is corrupt (3 more like it held back)",
+    ]
