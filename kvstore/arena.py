@@ -91,6 +91,18 @@ def _map_shared(fd: int, size: int, prefault: bool) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def byte_runs(extent: Extent, nbytes: int, page_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` in the region of the first ``nbytes`` of ``extent``, one per run, in order."""
+    out = []
+    left = nbytes
+    for start, n in extent:
+        if left <= 0:
+            break
+        length = min(n * page_size, left)
+        out.append((start * page_size, length))
+        left -= length
+    return out
+
 class Arena:
     """``capacity`` bytes of pre-faulted memory split into fixed-size pages."""
 
@@ -214,16 +226,7 @@ class Arena:
             return [buffer[start * page_size : start * page_size + nbytes]] if nbytes else []
         if nbytes < 0 or nbytes > self.pages(extent) * page_size:
             raise ValueError(f"nbytes {nbytes} does not fit the extent")
-        out: list[memoryview] = []
-        left = nbytes
-        for start, n in extent:
-            if left <= 0:
-                break
-            offset = start * page_size
-            size = min(n * page_size, left)
-            out.append(buffer[offset : offset + size])
-            left -= size
-        return out
+        return [buffer[offset : offset + size] for offset, size in byte_runs(extent, nbytes, page_size)]
 
     def __repr__(self) -> str:
         return (

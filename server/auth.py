@@ -111,13 +111,16 @@ def _no_passphrase() -> str:
 
 
 def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (``localhost`` included)."""
+    """True for addresses only this machine can reach (``localhost`` and ``::ffff:127.0.0.1``,
+    as a dual-stack socket shows an IPv4 peer, included)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False  # a hostname: assume it is reachable from elsewhere
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def warn_if_exposed(host: str, auth: TokenTable | None, tls: bool) -> None:

@@ -34,7 +34,6 @@ Safety of the copies:
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -46,11 +45,12 @@ from typing import TYPE_CHECKING, Any, Awaitable
 
 import xxhash
 
-from kvstore.arena import Extent
+from kvstore.arena import Extent, byte_runs
 from kvstore.errors import CapacityError, InvalidRequest, NotFound, TooLarge, Unauthorized, Unavailable
 from kvstore.protocol import Put, ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease, reply
 from kvstore.store import BlockRef
 
+from .auth import is_loopback
 from .service import Fields, GetResult, PutSink
 
 if TYPE_CHECKING:
@@ -73,16 +73,8 @@ Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
 
 
 def extent_locs(extent: Extent, size: int, page_size: int) -> Loc:
-    """Where the first ``size`` bytes of ``extent`` lie in the arena, one pair per run."""
-    out: Loc = []
-    left = size
-    for start, n in extent:
-        if left <= 0:
-            break
-        length = min(n * page_size, left)
-        out.append([start * page_size, length])
-        left -= length
-    return out
+    """Where the first ``size`` bytes of ``extent`` lie in the arena, one pair per run (msgpack-ready)."""
+    return [[offset, length] for offset, length in byte_runs(extent, size, page_size)]
 
 
 # --------------------------------------------------------------------------- per-connection state
@@ -474,18 +466,8 @@ class ShmService:
 
 
 def _same_host(session: Session) -> bool:
-    return session.unix or _is_loopback(session.peer)
-
-
-def _is_loopback(peer: str) -> bool:
-    """Whether a TCP peer (``host:port``) is on this host: a ``shm=True`` client over TCP."""
-    host = peer.rpartition(":")[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack listener
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+    """A Unix-socket client, or a TCP peer (``host:port``) on this host: a ``shm=True`` client over TCP."""
+    return session.unix or is_loopback(session.peer.rpartition(":")[0])
 
 
 def send_with_fd(transport: asyncio.BaseTransport, data: bytes, fd: int) -> bool:
