@@ -484,3 +484,15 @@ async def test_a_tls_peer_that_stops_reading_is_timed_out_once(make_server, tls_
             stats = await kv.stats()
         assert stats["connections"] == 1  # it was ended (ours is left)
         assert sum(stats["timeouts"].values()) == 1, stats["timeouts"]
+
+
+@pytest.mark.parametrize("host, local", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("::ffff:127.0.0.1", True),  # an IPv4 peer as a dual-stack socket shows it
+    ("0.0.0.0", False), ("::", False), ("10.0.0.7", False), ("::ffff:10.0.0.7", False), ("kv.example", False),
+])
+def test_loopback_means_only_this_machine_can_reach_it(host: str, local: bool) -> None:
+    """What decides the exposed-listener warning and whether a TCP peer may map the arena."""
+    from kvstore.server.auth import is_loopback
+
+    assert is_loopback(host) is local
