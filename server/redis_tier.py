@@ -109,7 +109,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
-# -- flow
+# -- bytes in flight, and the heap
 
 
 def _trim_heap() -> None:
