@@ -239,13 +239,13 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         f"requests    {sum(req.values())} ({', '.join(f'{k} {v}' for k, v in sorted(req.items())) or 'none'}), "
         f"{sum(err.values())} errors",
         f"traffic     {format_size(st.get('bytes_in', 0))} in, {format_size(st.get('bytes_out', 0))} out",
-        f"connections {st.get('connections', 0)} open, {st.get('connections_total', 0)} accepted, "
-        f"{st.get('connections_rejected', 0)} refused",
+        f"connections {st.get('connections', 0)} open of at most {st.get('max_connections', '?')}, "
+        f"{st.get('connections_total', 0)} accepted, {st.get('connections_rejected', 0)} refused",
     ]
     poll = st.get("busy_poll") or {}
     if poll.get("window_us"):
         lines.append(f"polling     {poll['window_us']} us after each request (--busy-poll-us), "
-                     f"{poll.get('seconds', 0.0):.2f} s so far")
+                     f"{poll.get('seconds', 0.0):.2f} s polled idle in {poll.get('turns', 0)} turns so far")
     else:
         lines.append("polling     off (sleeps between requests)")
     tier = st.get("tier")

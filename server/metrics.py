@@ -206,7 +206,8 @@ class KVStoreCollector:
         yield CounterMetricFamily("kvstore_connections_rejected", "Connections refused over --max-connections",
                                   value=snap.get("connections_rejected", 0))
         yield CounterMetricFamily("kvstore_auth_failures", "HELLOs refused (a missing or wrong token, or a "
-                                  "namespace the token does not cover) and FLUSHes refused for their scope",
+                                  "namespace the token does not cover), requests before HELLO (once per "
+                                  "connection) and FLUSHes refused for their scope",
                                   value=snap.get("auth_failures", 0))
         timeouts = CounterMetricFamily("kvstore_connection_timeouts",
                                        "Connections closed by --idle-timeout or --frame-timeout (auth: no "

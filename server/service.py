@@ -25,6 +25,7 @@ from kvstore.errors import (
     from_code,
 )
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
+from kvstore.messages import OP_NAMES, REQUESTS
 from kvstore.store import BlockRef, BlockStore, Reservation
 
 from .auth import Grant, TokenTable
@@ -56,6 +57,7 @@ class Session:
     grant: Grant | None = None  # the namespaces its token may use (None: no auth configured)
     unix: bool = False  # came in over the Unix socket (a same-host peer: may map the arena)
     greeted: bool = False  # a HELLO succeeded on this connection
+    refused: bool = False  # a refusal was counted (one per connection: it closes after it)
     shm: ShmSession | None = None  # its open shared-memory handles (kvstore.server.shm)
 
 
@@ -409,7 +411,7 @@ class Service:
             return
         grant = self.auth.authenticate(msg.token)
         if grant is None or not grant.allows(msg.namespace):
-            session.authenticated = False
+            session.authenticated, session.refused = False, True
             self.counters.auth_failures += 1
             log.warning("refused HELLO from %s for namespace %r: %s", session.peer, msg.namespace,
                         "no token" if not msg.token else "wrong token" if grant is None else "namespace not granted",
@@ -428,8 +430,16 @@ class Service:
                 "limits": self.hello_limits, **self.shm.hello_fields(session)}
 
     def check_allowed(self, session: Session, op: int) -> None:
-        """Before HELLO only HELLO and PING are served (checked by op: a malformed frame too)."""
+        """Before HELLO only HELLO and PING are served (checked by op: a malformed frame too).
+        A request before HELLO is a refusal like a wrong token's (a probe that skips HELLO),
+        logged and counted once per connection (it closes after the refusal)."""
         if not session.authenticated and op not in (Hello.OP, Ping.OP):
+            if not session.refused:
+                session.refused = True
+                self.counters.auth_failures += 1
+                what = OP_NAMES[REQUESTS[op]].upper() if op in REQUESTS else f"op {op}"
+                log.warning("refused %s from %s: no HELLO first", what, session.peer,
+                            extra={"event": "auth_failed", "peer": session.peer, "namespace": session.namespace})
             raise Unauthorized("authenticate with HELLO first")
 
     # -- ops: synchronous in memory; a coroutine where the tier must be asked

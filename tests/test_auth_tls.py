@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstore.client import AsyncKVClient
+from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.tokens import read_token_file
 from kvstore.errors import PROTOCOL_ERROR_CODE, InvalidRequest, TransportError, Unauthorized, Unavailable
 from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, encode
@@ -99,6 +99,12 @@ def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server
         got = read_all(s)
     assert replies(got) == [(0xFF, 1)]
     assert got[HEADER.size + got[HEADER.size:].index(b"code") + 4] == Unauthorized.code
+    # Each connection's refusal counted and logged once (a probe that skips HELLO too; not the
+    # requests pipelined after a refused HELLO).
+    with KVClient(srv.addr, token=TOKEN) as kv:
+        assert kv.stats()["auth_failures"] == 3
+    srv.wait_log(r"refused LOOKUP from .*no HELLO first.*auth_failed")  # (the last one: all are in)
+    assert sum("no HELLO first" in line and "auth_failed" in line for line in srv.log) == 2
 
 
 async def test_namespace_scoped_token(make_server, token_file: Path) -> None:

@@ -326,6 +326,44 @@ async def test_a_server_that_cannot_be_reached_is_raised_as_itself_to_each_calle
         await kv.close()
 
 
+def test_a_client_over_several_servers_starts_while_one_is_down(
+        make_server: MakeServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``with KVClient([up, down])`` raised at connect(): an engine written as the README shows
+    could not start while one shard was down. The one down is now logged and its keys fail or
+    miss as if it had failed later; with no server up, or a refused token, connect() still raises."""
+    live = make_server("--capacity", "8MiB")
+    dead, dead2 = _nothing_listens(), _nothing_listens()
+    ring = Ring([live.addr, dead])
+    keys = [key(i, "one-down") for i in range(32)]
+    on_live = [ring.nodes[ring.node_of(k)] == live.addr for k in keys]
+    assert 0 < sum(on_live) < len(keys)
+    with caplog.at_level("WARNING", logger="kvstore.client.aio"):
+        with KVClient([live.addr, dead], namespace="p", retries=0, connect_timeout=1) as kv:
+            with pytest.raises(TransportError) as info:
+                kv.put(keys, [b"x" * 100] * len(keys))
+            assert info.value.result.statuses == ["stored" if up else "failed" for up in on_live]  # type: ignore[attr-defined]
+            assert kv.exists(keys) == on_live
+    assert [r.getMessage() for r in caplog.records if "connected to" in r.getMessage()] == [
+        f"connected to 1 of 2 servers; {dead} failed (cannot connect to {dead}: Connection refused): "
+        "calls will try it again"]
+    tokens = tmp_path / "tokens"
+    tokens.write_text("right-token\n")
+    guarded = make_server("--capacity", "8MiB", "--token-file", str(tokens))
+    for addrs, token, error in (([dead, dead2], None, TransportError), ([guarded.addr, dead], "wrong", Unauthorized)):
+        kv = KVClient(addrs, namespace="p", token=token, retries=0, connect_timeout=1)
+        try:
+            with pytest.raises(error):
+                kv.connect()
+        finally:
+            kv.close()
+
+
+def _nothing_listens() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+
+
 @pytest.mark.parametrize("limit", ["frame", "batch"])
 async def test_a_batch_over_the_servers_limits_goes_out_in_parts(make_server: MakeServer, limit: str) -> None:
     """A put or get_into bigger than one request may carry (a long prompt's KV can be several GB)
