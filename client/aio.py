@@ -22,7 +22,7 @@ import xxhash
 
 from kvstore.errors import (
     BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, ServerError, TooLarge,
-    TransportError, from_code,
+    Unauthorized, from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (
@@ -159,22 +159,21 @@ class AsyncKVClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open one connection per server now: fails fast on a wrong token, or when no server can
-        be reached. Over several servers, one that cannot be reached is logged and left to the
-        calls, as if it failed later (a lookup counts its keys as missing, a put to it fails): an
-        engine starts while one shard is down."""
+        """Open one connection per server now: fails fast on a refused token or request, or when
+        no server can be reached. Over several servers, one that cannot be reached (down, silent,
+        at its connection limit) is logged and left to the calls, as if it failed later (a lookup
+        counts its keys as missing, a put to it fails): an engine starts while one shard is down."""
         self.closed = False
         opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
         failed = [(n, e) for n, e in zip(self.nodes, opened) if isinstance(e, BaseException)]
-        for _, e in failed:
-            if not isinstance(e, TransportError):  # (a refused token, a cancel: not an outage)
+        for _, e in failed:  # (a token or namespace refused is the caller's to fix; a cancel is a cancel)
+            if isinstance(e, (Unauthorized, InvalidRequest)) or not isinstance(e, KVStoreError):
                 raise e
         if failed and len(failed) == len(self.nodes):
             raise failed[0][1]
         for node, e in failed:
             log.warning("connected to %d of %d servers; %s failed (%s): calls will try it again",
                         len(self.nodes) - len(failed), len(self.nodes), node.addr, e)
-            node.failed(e)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         """Close every connection; later calls raise ``TransportError`` until :meth:`connect`."""

@@ -245,7 +245,7 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
     poll = st.get("busy_poll") or {}
     if poll.get("window_us"):
         lines.append(f"polling     {poll['window_us']} us after each request (--busy-poll-us), "
-                     f"{poll.get('seconds', 0.0):.2f} s polled idle in {poll.get('turns', 0)} turns so far")
+                     f"{poll.get('seconds', 0.0):.2f} s polled idle, {poll.get('turns', 0)} polling turns so far")
     else:
         lines.append("polling     off (sleeps between requests)")
     tier = st.get("tier")

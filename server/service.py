@@ -439,7 +439,7 @@ class Service:
                 self.counters.auth_failures += 1
                 what = OP_NAMES[REQUESTS[op]].upper() if op in REQUESTS else f"op {op}"
                 log.warning("refused %s from %s: no HELLO first", what, session.peer,
-                            extra={"event": "auth_failed", "peer": session.peer, "namespace": session.namespace})
+                            extra={"event": "auth_failed", "peer": session.peer})  # (no namespace: none was named)
             raise Unauthorized("authenticate with HELLO first")
 
     # -- ops: synchronous in memory; a coroutine where the tier must be asked

@@ -103,7 +103,8 @@ def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server
     # requests pipelined after a refused HELLO).
     with KVClient(srv.addr, token=TOKEN) as kv:
         assert kv.stats()["auth_failures"] == 3
-    srv.wait_log(r"refused LOOKUP from .*no HELLO first.*auth_failed")  # (the last one: all are in)
+    line = srv.wait_log(r"refused LOOKUP from .*no HELLO first.*auth_failed")  # (the last one: all are in)
+    assert "namespace=" not in line  # (none was named: not the session's "default")
     assert sum("no HELLO first" in line and "auth_failed" in line for line in srv.log) == 2
 
 

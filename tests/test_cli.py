@@ -76,7 +76,7 @@ def test_stats_namespaces_ping_watch(server) -> None:
     r = cli("stats", addr=server.addr, env=env)
     text = r.stdout.decode()
     assert r.returncode == 0 and "2 in 1 namespace(s)" in text and "memory" in text and "tier" in text
-    assert re.search(r"polling     200 us after each request .* in \d+ turns", text)
+    assert re.search(r"polling     200 us after each request .* \d+ polling turns", text)
     r = cli("stats", "--json", addr=server.addr)
     st = json.loads(r.stdout)
     assert f"open of at most {st['max_connections']}," in text  # the cap in force (lowered by ulimit -n?)

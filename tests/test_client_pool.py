@@ -346,6 +346,12 @@ def test_a_client_over_several_servers_starts_while_one_is_down(
     assert [r.getMessage() for r in caplog.records if "connected to" in r.getMessage()] == [
         f"connected to 1 of 2 servers; {dead} failed (cannot connect to {dead}: Connection refused): "
         "calls will try it again"]
+    full = make_server("--capacity", "8MiB", "--max-connections", "1")  # at its limit: out of reach too
+    with KVClient(full.addr, namespace="p") as holder, KVClient([live.addr, full.addr], namespace="p") as kv:
+        served = Ring([live.addr, full.addr])  # (a key of the full server counts as missing)
+        assert kv.exists(keys) == [on_live[i] and served.nodes[served.node_of(k)] == live.addr
+                                   for i, k in enumerate(keys)]
+        assert holder.exists(keys[:1]) == [False]
     tokens = tmp_path / "tokens"
     tokens.write_text("right-token\n")
     guarded = make_server("--capacity", "8MiB", "--token-file", str(tokens))
