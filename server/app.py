@@ -255,8 +255,21 @@ class Server:
         if self.metrics is not None:
             await self.metrics.close()
         if self.tier is not None:
+            await self._end_tier_checks(0.0)
             self.tier.give_up()
             await self.tier.close()
+
+    async def _end_tier_checks(self, timeout: float) -> None:
+        """Let write-behind checks of blocks put again (``Service.tier_checks``) end, for at most
+        ``timeout`` seconds: a block they queue joins the queue's last flush. The rest are cut off."""
+        checks = set(self.service.tier_checks)
+        if not checks:
+            return
+        if timeout > 0:
+            await asyncio.wait(checks, timeout=timeout)
+        for task in checks:
+            task.cancel()
+        await asyncio.wait(checks)  # (each lets go of its pins as it ends)
 
     async def _start_unix(self) -> None:
         """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""
@@ -432,6 +445,7 @@ class Server:
         for task in self._tasks:
             task.cancel()
         if self.tier is not None:
+            await self._end_tier_checks(0.0 if self._hurry else self.config.redis_timeout + 1.0)
             self.unwritten_blocks = await self.tier.close()  # flushes the write-behind queue before exit
         if self.metrics is not None:
             await self.metrics.close()

@@ -45,6 +45,9 @@ Fields = dict[str, Any]
 MaybeAsync = Union[Fields, Awaitable[Fields]]
 #: (namespace, key) -> the outcome of the tier write of a block already in memory: None, or its error.
 TierWrites = dict[tuple[str, bytes], "asyncio.Future[Unavailable | None]"]
+#: Write-behind: checks in the tier of blocks put again (see ``PutSink.commit``) running at once;
+#: past it a put's check is skipped (the next put of those blocks checks them).
+MAX_TIER_CHECKS = 8
 
 
 @dataclass
@@ -94,9 +97,11 @@ class PutSink:
     """
 
     def __init__(self, store: BlockStore, ns: str, msg: Put, tier: Tier | None = None,
-                 tier_writes: TierWrites | None = None, failed_blocks: dict[str, int] | None = None) -> None:
+                 tier_writes: TierWrites | None = None, failed_blocks: dict[str, int] | None = None,
+                 tier_checks: set[asyncio.Task[None]] | None = None) -> None:
         self.store, self.ns, self.msg, self.tier = store, ns, msg, tier
         self.tier_writes: TierWrites = {} if tier_writes is None else tier_writes
+        self.tier_checks: set[asyncio.Task[None]] = set() if tier_checks is None else tier_checks
         self.failed_blocks = failed_blocks  # counted into at the end (Counters.put_failed_blocks)
         self.sizes = msg.sizes
         self.status: list[int] = [STORED] * len(msg.keys)
@@ -148,6 +153,11 @@ class PutSink:
         A block that "existed" only because another PUT's tier write of it is
         still running is not acknowledged yet: that write may fail, and then
         the block leaves memory again. Such keys wait for that write's outcome.
+
+        The other "existed" blocks are checked in the tier (it may have lost
+        them: a Redis restarted without persistence, a key expired or evicted)
+        and written to it again if missing, their expiry renewed if not:
+        before the answer in write-through, after it in write-behind.
         """
         keys = self.msg.keys
         for i in self.empty:
@@ -172,6 +182,9 @@ class PutSink:
             return self._answer()
         stored_idx = [i for i, st in enumerate(self.status) if st == STORED]
         others, recheck = self._judge_existed(existing)
+        if recheck and not self.tier.write_through:
+            self._check_later(recheck)
+            recheck = {}
         if not stored_idx and not others and not recheck:
             return self._answer()
         mine: asyncio.Future[Unavailable | None] = asyncio.get_running_loop().create_future()
@@ -209,12 +222,10 @@ class PutSink:
                     del existing[i]
                 else:
                     existing[i] = fresh
-        # Write-through: an "existed" block is acknowledged as in Redis; check that it still is (a Redis
-        # restarted without persistence, a key expired or evicted there), pinned meanwhile.
-        assert self.tier is not None
-        recheck = ({i: ref for i, ref in existing.items()
-                    if self.status[i] == EXISTED and i not in others and i not in self.twins}
-                   if self.tier.write_through else {})
+        # An "existed" block is acknowledged as in Redis (write-behind: on its way); check that it still
+        # is (a Redis restarted without persistence, a key expired or evicted there), pinned meanwhile.
+        recheck = {i: ref for i, ref in existing.items()
+                   if self.status[i] == EXISTED and i not in others and i not in self.twins}
         self.store.release_many(ref for i, ref in existing.items() if i not in recheck)
         return others, recheck
 
@@ -269,6 +280,39 @@ class PutSink:
         except Unavailable:
             return recheck
         return {i: ref for (i, ref), p in zip(recheck.items(), present) if not p}
+
+    def _check_later(self, recheck: dict[int, BlockRef]) -> None:
+        """Write-behind: check ``recheck`` in the tier after the answer, in a task of the service's
+        (``Service.tier_checks``, awaited before the tier's last flush); skipped while
+        :data:`MAX_TIER_CHECKS` run (the pins are then let go at once)."""
+        if len(self.tier_checks) >= MAX_TIER_CHECKS:
+            self.store.release_many(recheck.values())
+            return
+        task = asyncio.ensure_future(self._check_now(recheck))
+        self.tier_checks.add(task)
+        task.add_done_callback(self.tier_checks.discard)
+
+    async def _check_now(self, recheck: dict[int, BlockRef]) -> None:
+        assert self.tier is not None
+        try:
+            try:
+                present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
+            except Unavailable:  # (cannot say now: the next put of these blocks asks again)
+                return
+            again = {i: ref for (i, ref), p in zip(recheck.items(), present) if not p and not ref.gone}
+            if not again:
+                return
+            try:  # (queued: the copy and its place in the order are taken before the first await)
+                await self.tier.store(self.ns, [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                                                for i, ref in again.items()])
+            except Exception as exc:
+                log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
+                            len(again), self.ns, exc)
+                return
+            log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
+                     "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
+        finally:
+            self.store.release_many(recheck.values())
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
         """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they
@@ -386,6 +430,7 @@ class Service:
         # Announced in HELLO: clients split bigger batches into requests within them.
         self.hello_limits = {"max_payload": config.max_frame_size, "max_batch": config.max_batch}
         self.tier_writes: TierWrites = {}  # blocks in memory whose tier write is still running
+        self.tier_checks: set[asyncio.Task[None]] = set()  # write-behind: blocks put again, checked in the tier
         # Tier deletes (and flushes) started and finished: a read-through that overlapped one must not
         # promote what it read, or the deleted block would come back into memory.
         self.deletes_started = self.deletes_finished = 0
@@ -445,7 +490,7 @@ class Service:
     # -- ops: synchronous in memory; a coroutine where the tier must be asked
     def begin_put(self, session: Session, msg: Put) -> PutSink:
         return PutSink(self.store, session.namespace, msg, self.tier, self.tier_writes,
-                       self.counters.put_failed_blocks)
+                       self.counters.put_failed_blocks, self.tier_checks)
 
     def lookup(self, session: Session, msg: Lookup) -> MaybeAsync:
         """A pinned lookup's lease is cut to --max-lease-seconds: leased blocks cannot be evicted,

@@ -97,20 +97,31 @@ async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisPr
     assert "key_pattern" in fields and "value_header" in fields and int(fields["created"]) > 0
 
 
-async def test_a_block_put_again_has_its_expiry_renewed_in_write_through(redis_server: RedisProcess,
-                                                                          make_server) -> None:
-    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-ttl", "300")
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_a_block_put_again_has_its_expiry_renewed(redis_server: RedisProcess, make_server, mode: str) -> None:
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-ttl", "300", "--redis-mode", mode)
     keys = chain(3, "renew")
     data = blocks(keys, 4096)
+
+    def ttls() -> list[int]:
+        return [int(redis_server.cli("TTL", block_key(NS, k))) for k in keys]
+
+    async def all_written() -> bool:
+        return min(ttls()) > 0
+
+    async def renewed() -> bool:
+        return all(250 < t <= 300 for t in ttls()[:2])
+
     async with AsyncKVClient(srv.addr, namespace=NS) as kv:
         assert (await kv.put(keys, data)).stored == 3
+        await eventually(all_written, 10, "the blocks in Redis")  # (write-behind: once flushed)
         for k in keys:  # as if most of the 300 s had gone by
             redis_server.cli("EXPIRE", block_key(NS, k), "5")
         res = await kv.put(keys[:2], data[:2])  # a prefix stored again (a do_remote_decode prefill)
         assert res.existed == 2
-    ttls = [int(redis_server.cli("TTL", block_key(NS, k))) for k in keys]
-    assert all(250 < t <= 300 for t in ttls[:2]), ttls  # (was: 5 s left, the put "existed" notwithstanding)
-    assert 0 < ttls[2] <= 5, ttls  # not put again: its expiry is its own
+        # (was: 5 s left, the put "existed" notwithstanding; write-behind renews just after the answer)
+        await eventually(renewed, 4, "the expiry renewed")
+    assert 0 < ttls()[2] <= 5, ttls()  # not put again: its expiry is its own
 
 
 async def test_namespace_with_special_characters_gets_no_hash_tag(redis_server: RedisProcess, make_server) -> None:
@@ -148,17 +159,30 @@ async def test_kill_9_then_restart_serves_every_acknowledged_block(redis_server:
             assert payloads(await kv.get(keys)) == data  # 8 from memory, 4 from Redis
 
 
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
 async def test_a_block_put_again_that_redis_lost_is_written_again_not_just_called_existed(
-        make_redis, make_server) -> None:  # type: ignore[no-untyped-def]
+        make_redis, make_server, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Write-through acknowledges a put once Redis has its blocks. A block still in memory that Redis
     had lost (restarted without persistence; a key expired, evicted or deleted there) was answered
-    "existed" and left out of Redis: the next restart of the server lost it, acknowledged."""
+    "existed" and left out of Redis: the next restart of the server lost it, acknowledged.
+    Write-behind checks after the answer, and queues the block again."""
     redis = make_redis()
     keys = chain(6, "lost")
     data = blocks(keys, 50_000)
-    with ServerProcess("--capacity", MEM, "--redis", redis.url) as first:
+
+    def in_redis() -> list[str]:
+        return [redis.cli("EXISTS", block_key(NS, k)) for k in keys]
+
+    async def first_four() -> bool:
+        return in_redis()[:4] == ["1"] * 4
+
+    async def all_six() -> bool:
+        return in_redis() == ["1"] * 6
+
+    with ServerProcess("--capacity", MEM, "--redis", redis.url, "--redis-mode", mode) as first:
         async with AsyncKVClient(first.addr, namespace=NS) as kv:
             assert (await kv.put(keys[:4], data[:4])).stored == 4
+            await eventually(first_four, 10, "the blocks in Redis")  # (write-behind: once flushed)
             redis.stop()  # no persistence: Redis comes back empty
             redis.start()
 
@@ -169,8 +193,8 @@ async def test_a_block_put_again_that_redis_lost_is_written_again_not_just_calle
             before = await kv.stats()
             res = await kv.put(keys, data)  # 4 in memory, missing in Redis, and 2 new
             assert res.statuses == ["existed"] * 4 + ["stored"] * 2
+            await eventually(all_six, 10, "every block in Redis")  # (write-behind: once flushed)
             after = await kv.stats()
-        assert [redis.cli("EXISTS", block_key(NS, k)) for k in keys] == ["1"] * 6
         assert after["store"]["stored"] - before["store"]["stored"] == 2  # (written again, not stored again)
         first.stop(signal.SIGKILL)
     with ServerProcess("--capacity", MEM, "--redis", redis.url) as second:
