@@ -261,15 +261,28 @@ class Server:
 
     async def _end_tier_checks(self, timeout: float) -> None:
         """Let write-behind checks of blocks put again (``Service.tier_checks``) end, for at most
-        ``timeout`` seconds: a block they queue joins the queue's last flush. The rest are cut off."""
+        ``timeout`` seconds or until the stop is asked again: a block they queue joins the queue's
+        last flush. The rest are cut off, and the log says so."""
         checks = set(self.service.tier_checks)
         if not checks:
             return
-        if timeout > 0:
-            await asyncio.wait(checks, timeout=timeout)
-        for task in checks:
+        if timeout > 0 and not self._hurried.is_set():
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            hurried = asyncio.create_task(self._hurried.wait())
+            pending = set(checks)
+            while pending and not hurried.done() and loop.time() < deadline:
+                _, pending = await asyncio.wait(pending | {hurried}, timeout=deadline - loop.time(),
+                                                return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(hurried)
+            hurried.cancel()
+        cut = [t for t in checks if not t.done()]
+        for task in cut:
             task.cancel()
         await asyncio.wait(checks)  # (each lets go of its pins as it ends)
+        if cut:
+            log.warning("stopping: %d check(s) in Redis of blocks put again were cut off: those blocks, "
+                        "still in Redis or not, were not written again", len(cut))
 
     async def _start_unix(self) -> None:
         """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""

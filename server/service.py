@@ -299,6 +299,9 @@ class PutSink:
                 present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
             except Unavailable:  # (cannot say now: the next put of these blocks asks again)
                 return
+            except Exception:  # (a bug: said, not left to "Task exception was never retrieved")
+                log.exception("the check in the tier of %d block(s) put again failed", len(recheck))
+                return
             again = {i: ref for (i, ref), p in zip(recheck.items(), present) if not p and not ref.gone}
             if not again:
                 return

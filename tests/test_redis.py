@@ -544,6 +544,36 @@ async def test_a_second_signal_stops_the_flush_at_once(make_redis, make_server, 
                for line in srv.log)
 
 
+async def test_a_second_signal_cuts_off_the_checks_of_blocks_put_again(make_redis, make_server) -> None:
+    """Write-behind checks in Redis of blocks put again, hanging on a Redis that does: a stop waits
+    for them (up to --redis-timeout + 1 s, here 31 s), a second signal ends that wait at once, and
+    the log says how many were cut off."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind",
+                      "--redis-timeout", "30")
+    keys = chain(4, "checked")
+    data = blocks(keys, 10_000)
+
+    async def written() -> bool:
+        return [redis.cli("EXISTS", block_key(NS, k)) for k in keys] == ["1"] * 4
+
+    assert redis.proc is not None and srv.proc is not None
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        assert (await kv.put(keys, data)).stored == 4
+        await eventually(written, 10, "the blocks in Redis")
+        redis.proc.send_signal(signal.SIGSTOP)
+        for k, b in zip(keys, data):  # four puts, four checks waiting on Redis
+            assert (await kv.put([k], [b])).existed == 1
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_log("stopping: draining")
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0  # (nothing was queued: the blocks were written before)
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    assert any("4 check(s) in Redis of blocks put again were cut off" in line for line in srv.log)
+
+
 async def test_a_stop_that_could_not_flush_the_write_behind_queue_exits_1(make_redis, make_server) -> None:
     """Acknowledged blocks lost at exit: a supervisor sees a failed stop, not a clean one."""
     redis = make_redis()
