@@ -41,6 +41,7 @@ from .workers import run_parallel
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+
 def checksum(block: memoryview) -> int:
     """The block checksum stored beside every block: xxh3-64 (tens of GB/s)."""
     return xxhash.xxh3_64_intdigest(block)

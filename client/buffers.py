@@ -14,6 +14,7 @@ from kvstore.errors import KVStoreError
 
 from . import replies
 
+
 class Recycler:
     """Buffers for ``get`` without caller buffers: the ones callers dropped, reused.
 

@@ -103,6 +103,7 @@ def byte_runs(extent: Extent, nbytes: int, page_size: int) -> list[tuple[int, in
         left -= length
     return out
 
+
 class Arena:
     """``capacity`` bytes of pre-faulted memory split into fixed-size pages."""
 

@@ -555,7 +555,7 @@ class RedisTier(Tier):
         # The views are pinned only while this call runs: copy them out before the first await.
         self._seq += 1
         items = [QueuedBlock(ns, b.key, encode_value(b.data, b.checksum, key_tag(block_key(ns, b.key))), b.checksum,
-                       self._seq) for b in blocks]
+                             self._seq) for b in blocks]
         dels = {ev for it in items for ev in self._deleting.get((ns, it.key), ())} if self._deleting else ()
         gate = self._flushing.get(ns)
         if gate is not None:
