@@ -31,7 +31,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
+def _parse_addr(addr: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; raises ``InvalidRequest``."""
     if "://" in addr:  # ("http://h:7600" would parse as the host "http://h" and fail at the resolver)
         raise InvalidRequest(f"address must be 'host:port' (no scheme), got {addr!r}")
     host, sep, port = addr.rpartition(":")
@@ -40,7 +41,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-CLOSED = "the client is closed"
+_CLOSED = "the client is closed"
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -56,7 +57,7 @@ class Node:
         self.unix: str | None = addr[len("unix:"):] if addr.startswith("unix:") else None  # a Unix socket path
         if self.unix == "":
             raise InvalidRequest("a Unix socket address is 'unix:/path/to.sock'")
-        self.host, self.port = ("localhost", 0) if self.unix else parse_addr(addr)
+        self.host, self.port = ("localhost", 0) if self.unix else _parse_addr(addr)
         self.client = client
         self.shm: ShmChannel | None = None  # the server's arena, mapped (client/shm.py)
         self.shm_tried: str | None = None  # the server instance an attach was last tried with
@@ -120,7 +121,7 @@ class Node:
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
-            raise TransportError(CLOSED)
+            raise TransportError(_CLOSED)
         if self.home is None:
             self.home = (_forks[0], asyncio.get_running_loop())
         elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
@@ -149,7 +150,7 @@ class Node:
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         opened = done.pop()
         if opened.cancelled():  # by close()
-            raise TransportError(CLOSED)
+            raise TransportError(_CLOSED)
         error = opened.exception()  # (shared by every caller that waited for this open)
         if error is None:
             conn = opened.result()
@@ -185,8 +186,8 @@ class Node:
                 await conn.discard(TransportError("shared-memory attach failed; connection discarded"))
                 raise
             if c.closed:  # close()'s cancel came as the open ended (and was lost): join nothing
-                await conn.discard(TransportError(CLOSED))
-                raise TransportError(CLOSED)
+                await conn.discard(TransportError(_CLOSED))
+                raise TransportError(_CLOSED)
             self.conns.append(conn)
             self.hello_seen = True  # (after the attach: a call that saw it early would pass the arena by)
             return conn
@@ -249,7 +250,7 @@ class Node:
             self.shm, self.shm_tried = None, None
             return
         for conn in conns:  # what a request cut off by this reports (not "closed by server")
-            conn.close_reason = conn.close_reason or TransportError(CLOSED)
+            conn.close_reason = conn.close_reason or TransportError(_CLOSED)
         closing = asyncio.gather(*(conn.aclose() for conn in conns))
         while opening:  # cut off connects and HELLOs in progress (again while one runs on: wait_for on
             for task in opening:  # Python 3.11 can drop a cancel); each closes its socket as it ends
