@@ -1,7 +1,7 @@
 """The redis-py client that ``--redis`` or ``--redis-cluster`` names, and how logs show it.
 
 A password never shows: :func:`redact` masks it in what logs, stats and errors print, and a
-parser's complaint about a URL is masked too (:func:`masked`).
+parser's complaint about a URL is masked too (:func:`_masked`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def client_for(config: ServerConfig, max_connections: int) -> tuple[Redis | Redi
         client = Redis.from_url(config.redis, **options)
         pool = client.connection_pool  # an option Redis lacks (?foo=1) fails here, not at the first request
         pool.connection_class(**pool.connection_kwargs)  # (builds a connection object; connects nothing)
-        check_db(config.redis)
+        _check_db(config.redis)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {masked(str(exc), config.redis)}") from None
+        raise ValueError(f"bad --redis URL {redact(config.redis)!r}: {_masked(str(exc), config.redis)}") from None
     return client, redact(config.redis)
 
 
@@ -63,7 +63,7 @@ def redact(url: str) -> str:
     return re.sub(r"([?&][^=&#]*password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
 
 
-def masked(message: str, url: str) -> str:
+def _masked(message: str, url: str) -> str:
     """A parser's ``message`` about ``url`` with any piece of its password masked: a password
     holding an unencoded ``/`` or ``?`` breaks the URL there, and the error quotes the pieces."""
     userinfo = url.partition("://")[2].rpartition("@")[0]
@@ -73,7 +73,7 @@ def masked(message: str, url: str) -> str:
     return message
 
 
-def check_db(url: str) -> None:
+def _check_db(url: str) -> None:
     """A ``redis://`` URL's path must be a database number: redis-py ignores any other
     (``/db3`` would write to database 0, perhaps another application's)."""
     parts = urlsplit(url)
@@ -123,5 +123,5 @@ def cluster_client(spec: str, **options: Any) -> tuple[RedisCluster, str]:
         client = RedisCluster.from_url(f"{scheme}://{userinfo}{at}{tail}",
                                        startup_nodes=[ClusterNode(h, p) for h, p in nodes], **options)
     except (ValueError, TypeError, RedisClusterException) as exc:  # (TypeError: an option RedisCluster lacks)
-        raise ValueError(f"bad --redis-cluster value {shown!r}: {masked(str(exc), spec)}") from None
+        raise ValueError(f"bad --redis-cluster value {shown!r}: {_masked(str(exc), spec)}") from None
     return client, f"cluster {shown}"
