@@ -22,7 +22,7 @@ import xxhash
 
 from kvstore.errors import (
     BlockSizeError, CapacityError, IntegrityError, InvalidRequest, KVStoreError, ProtocolError, ServerError, TooLarge,
-    Unauthorized, from_code,
+    TransportError, Unauthorized, from_code,
 )
 from kvstore.keys import check_keys
 from kvstore.protocol import (
@@ -160,18 +160,24 @@ class AsyncKVClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open one connection per server now: fails fast on a refused token or request, or when
-        no server can be reached. Over several servers, one that cannot be reached (down, silent,
-        at its connection limit) is logged and left to the calls, as if it failed later (a lookup
-        counts its keys as missing, a put to it fails): an engine starts while one shard is down."""
+        """Open one connection per server now: fails fast on a refused token or request, a TLS
+        handshake refused (a certificate, or no TLS there), or when no server can be reached.
+        Over several servers, one that cannot be reached (down, silent, at its connection limit)
+        is logged and left to the calls, as if it failed later (a lookup counts its keys as
+        missing, a put to it fails): an engine starts while one shard is down. When it raises, the
+        connections it opened are closed again."""
         self.closed = False
         opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
         failed = [(n, e) for n, e in zip(self.nodes, opened) if isinstance(e, BaseException)]
-        for _, e in failed:  # (a token or namespace refused is the caller's to fix; a cancel is a cancel)
-            if isinstance(e, (Unauthorized, InvalidRequest)) or not isinstance(e, KVStoreError):
-                raise e
-        if failed and len(failed) == len(self.nodes):
-            raise failed[0][1]
+        if not failed:
+            return
+        mistake = next((e for _, e in failed if _the_callers(e)), None)
+        if mistake is not None or len(failed) == len(self.nodes):
+            if len(self.nodes) > 1:
+                for node, e in failed:
+                    log.warning("%s failed at connect: %s", node.addr, e)
+            await asyncio.gather(*(n.close() for n in self.nodes))  # (the client stays usable: calls reconnect)
+            raise mistake or next((e for _, e in failed if isinstance(e, TransportError)), failed[0][1])
         for node, e in failed:
             log.warning("connected to %d of %d servers; %s failed (%s): calls will try it again",
                         len(self.nodes) - len(failed), len(self.nodes), node.addr, e)
@@ -650,6 +656,19 @@ def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: A
     exc.result = result  # type: ignore[attr-defined]
     exc.errors = errors  # type: ignore[attr-defined]
     raise exc
+
+
+def _the_callers(error: BaseException) -> bool:
+    """An error of connect() that is the caller's to fix (a token or request refused, a TLS
+    handshake refused: a certificate, or no TLS there), or no server's at all (a cancel)."""
+    if isinstance(error, (Unauthorized, InvalidRequest)) or not isinstance(error, KVStoreError):
+        return True
+    cause = error.__cause__
+    while cause is not None:  # (the TLS error, chained under the TransportError, perhaps under a copy of it)
+        if isinstance(cause, ssl.SSLError) and not isinstance(cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:

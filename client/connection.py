@@ -401,8 +401,8 @@ async def open_connection(host: str, port: int, *, namespace: str, token: str | 
         _, conn = await asyncio.wait_for(connecting, timeout)
     except asyncio.TimeoutError:
         raise TransportError(f"timed out connecting to {where}") from None
-    except ssl.SSLError as exc:
-        raise TransportError(f"TLS handshake with {where} failed: {_tls_reason(exc)}") from None
+    except ssl.SSLError as exc:  # (chained: a certificate refused is the caller's to fix, see AsyncKVClient.connect)
+        raise TransportError(f"TLS handshake with {where} failed: {_tls_reason(exc)}") from exc
     except OSError as exc:
         raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
     if not hello:

@@ -271,18 +271,20 @@ class Server:
             deadline = loop.time() + timeout
             hurried = asyncio.create_task(self._hurried.wait())
             pending = set(checks)
-            while pending and not hurried.done() and loop.time() < deadline:
-                _, pending = await asyncio.wait(pending | {hurried}, timeout=deadline - loop.time(),
-                                                return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(hurried)
-            hurried.cancel()
+            try:
+                while pending and not hurried.done() and loop.time() < deadline:
+                    _, pending = await asyncio.wait(pending | {hurried}, timeout=deadline - loop.time(),
+                                                    return_when=asyncio.FIRST_COMPLETED)
+                    pending.discard(hurried)
+            finally:  # (also when the server's own task is cancelled here)
+                hurried.cancel()
         cut = [t for t in checks if not t.done()]
         for task in cut:
             task.cancel()
         await asyncio.wait(checks)  # (each lets go of its pins as it ends)
         if cut:
-            log.warning("stopping: %d check(s) in Redis of blocks put again were cut off: those blocks, "
-                        "still in Redis or not, were not written again", len(cut))
+            log.warning("stopping: %d check(s) in Redis of blocks put again were cut off (those blocks "
+                        "were not checked, nor written again if Redis lacked them)", len(cut))
 
     async def _start_unix(self) -> None:
         """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""
@@ -435,13 +437,15 @@ class Server:
         busy = {asyncio.create_task(c.idle.wait()) for c in self.connections}
         if busy:
             hurried = asyncio.create_task(self._hurried.wait())
-            while busy and not hurried.done() and loop.time() < deadline:
-                done, _ = await asyncio.wait(busy | {hurried}, timeout=deadline - loop.time(),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                busy -= done
-            hurried.cancel()
-            for t in busy:
-                t.cancel()
+            try:
+                while busy and not hurried.done() and loop.time() < deadline:
+                    done, _ = await asyncio.wait(busy | {hurried}, timeout=deadline - loop.time(),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    busy -= done
+            finally:  # (also when the server's own task is cancelled here: no task left pending)
+                hurried.cancel()
+                for t in busy:
+                    t.cancel()
             if busy:
                 log.warning("drain %s; closing %d busy connection(s)",
                             "cut short" if self._hurry else "timed out", len(busy))

@@ -288,34 +288,36 @@ class PutSink:
         if len(self.tier_checks) >= MAX_TIER_CHECKS:
             self.store.release_many(recheck.values())
             return
+        def done(task: asyncio.Task[None]) -> None:  # (also for a task cancelled before its first step)
+            self.tier_checks.discard(task)
+            self.store.release_many(recheck.values())
+
         task = asyncio.ensure_future(self._check_now(recheck))
         self.tier_checks.add(task)
-        task.add_done_callback(self.tier_checks.discard)
+        task.add_done_callback(done)
 
     async def _check_now(self, recheck: dict[int, BlockRef]) -> None:
+        """Check ``recheck`` (pinned until the task ends) in the tier; queue again those it lacks."""
         assert self.tier is not None
         try:
-            try:
-                present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
-            except Unavailable:  # (cannot say now: the next put of these blocks asks again)
-                return
-            except Exception:  # (a bug: said, not left to "Task exception was never retrieved")
-                log.exception("the check in the tier of %d block(s) put again failed", len(recheck))
-                return
-            again = {i: ref for (i, ref), p in zip(recheck.items(), present) if not p and not ref.gone}
-            if not again:
-                return
-            try:  # (queued: the copy and its place in the order are taken before the first await)
-                await self.tier.store(self.ns, [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
-                                                for i, ref in again.items()])
-            except Exception as exc:
-                log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
-                            len(again), self.ns, exc)
-                return
-            log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
-                     "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
-        finally:
-            self.store.release_many(recheck.values())
+            present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
+        except Unavailable:  # (cannot say now: the next put of these blocks asks again)
+            return
+        except Exception:  # (a bug: said, not left to "Task exception was never retrieved")
+            log.exception("the check in the tier of %d block(s) put again failed", len(recheck))
+            return
+        again = {i: ref for (i, ref), p in zip(recheck.items(), present) if not p and not ref.gone}
+        if not again:
+            return
+        try:  # (queued: the copy and its place in the order are taken before the first await)
+            await self.tier.store(self.ns, [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                                            for i, ref in again.items()])
+        except Exception as exc:
+            log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
+                        len(again), self.ns, exc)
+            return
+        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
+                 "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
         """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they

@@ -201,6 +201,21 @@ async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server,
                     pass
 
 
+async def test_connect_over_several_servers_raises_a_refused_tls_handshake(make_server, tls_files: dict[str, Path]) -> None:
+    """No TLS where the client asks for it (or a certificate refused) is the caller's to fix, not an
+    outage: connect() over several servers passed it over, and an engine ran on with a shard it
+    could never reach. It raises, and closes the connection it had opened to the other server."""
+    tls_srv = make_server("--capacity", "8MiB", "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    plain = make_server("--capacity", "8MiB")
+    kv = AsyncKVClient([tls_srv.addr, plain.addr], tls=str(tls_files["ca"]), retries=0, connect_timeout=5)
+    try:
+        with pytest.raises(TransportError, match="answered in plain text"):
+            await kv.connect()
+        assert [n.conns for n in kv.nodes] == [[], []]  # (the TLS server's connection closed again)
+    finally:
+        await kv.close()
+
+
 async def test_tls_client_against_plaintext_server_fails_cleanly(server, tls_files: dict[str, Path]) -> None:
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="answered in plain text"):
