@@ -574,6 +574,50 @@ async def test_a_second_signal_cuts_off_the_checks_of_blocks_put_again(make_redi
     assert any("4 check(s) in Redis of blocks put again were cut off" in line for line in srv.log)
 
 
+@pytest.mark.parametrize("cancelled_in", ["checks", "drain"])
+async def test_an_embedded_server_cancelled_while_it_stops_leaves_no_task_behind(make_redis, cancelled_in: str) -> None:
+    """Cancelled during its stop's wait for the write-behind checks (or for a busy connection), the
+    server's task ended but left the task watching for a second stop request pending: "Task was
+    destroyed but it is pending!" when the embedding program closed its loop."""
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server
+
+    redis = make_redis()
+    assert redis.proc is not None
+    before = asyncio.all_tasks()
+    server = Server(ServerConfig(host="127.0.0.1", port=0, capacity=16 << 20, prefault=False, redis=redis.url,
+                                 redis_mode="write-behind", redis_timeout=30.0, drain_seconds=30.0))
+    serving = asyncio.ensure_future(server.serve_forever(install_signals=False))
+    while server.port is None:
+        await asyncio.sleep(0.01)
+    keys = chain(4, "embedded")
+    writer = None
+    try:
+        async with AsyncKVClient(f"127.0.0.1:{server.port}", namespace=NS) as kv:
+            await kv.put(keys, blocks(keys, 1000))
+            while len(server.tier.queue) if server.tier is not None else 0:  # (written to Redis)
+                await asyncio.sleep(0.01)
+            redis.proc.send_signal(signal.SIGSTOP)
+            for k in keys:  # four checks, waiting on Redis
+                assert (await kv.put([k], [b"x" * 1000])).existed == 1
+        if cancelled_in == "drain":  # a connection mid-frame: the drain waits for it
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"KV\x01")
+            await writer.drain()
+        server.request_stop()
+        await asyncio.sleep(0.5)  # (in the wait it is cancelled in)
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await asyncio.sleep(0)
+        left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()]
+        assert left == []
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+        if writer is not None:
+            writer.close()
+
+
 async def test_a_stop_that_could_not_flush_the_write_behind_queue_exits_1(make_redis, make_server) -> None:
     """Acknowledged blocks lost at exit: a supervisor sees a failed stop, not a clean one."""
     redis = make_redis()
