@@ -204,7 +204,7 @@ class PutSink:
     def _judge_existed(self, existing: dict[int, BlockRef]) -> tuple[dict[int, asyncio.Future[Unavailable | None]],
                                                                      dict[int, BlockRef]]:
         """The "existed" keys (a batch's later copies aside) that wait for another put's tier write
-        still running, and, in write-through, those to check in the tier, pinned by the returned
+        still running, and those to check in the tier, pinned by the returned
         refs; the other pins of ``existing`` are released. A key whose write failed and that left
         memory with it fails now."""
         keys = self.msg.keys
@@ -294,6 +294,7 @@ class PutSink:
         if len(self.tier_checks) >= MAX_TIER_CHECKS:
             self.store.release_many(recheck.values())
             return
+
         def done(task: asyncio.Task[None]) -> None:  # (also for a task cancelled before its first step)
             self.tier_checks.discard(task)
             self.store.release_many(recheck.values())
