@@ -1,4 +1,4 @@
-"""Log lines that could come once per request, logged at most once per kind every few seconds.
+"""Warnings that could come once per request, logged at most once per kind every few seconds.
 
 A hot corrupted block read again and again, or a server that stopped answering every request
 of every scheduling step, must not flood the log; the line that gets through says how many like
@@ -14,23 +14,22 @@ from typing import Any, Callable
 
 
 class ThrottledLog:
-    """``log()`` logs at most one line of a kind (its message template) every ``seconds``, at
-    ``level``, the next one counting those held back meanwhile."""
+    """``warning()`` logs at most one line of a kind (its message template) every ``seconds``,
+    the next one counting those held back meanwhile."""
 
-    def __init__(self, logger: logging.Logger, seconds: float = 10.0, level: int = logging.WARNING,
+    def __init__(self, logger: logging.Logger, seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
         self.seconds = seconds
-        self.level = level
         self._clock = clock
         self._next: dict[str, float] = {}
         self._held: Counter[str] = Counter()
 
-    def log(self, msg: str, *args: Any) -> None:
+    def warning(self, msg: str, *args: Any) -> None:
         now = self._clock()
         if now < self._next.get(msg, -float("inf")):
             self._held[msg] += 1
             return
         self._next[msg] = now + self.seconds
         held = self._held.pop(msg, 0)
-        self.logger.log(self.level, msg + (f" ({held} more like it held back)" if held else ""), *args)
+        self.logger.warning(msg + (f" ({held} more like it held back)" if held else ""), *args)

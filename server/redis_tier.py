@@ -686,13 +686,13 @@ class RedisTier(Tier):
             return None
         if isinstance(value, Exception):  # e.g. WRONGTYPE: not a string, so not one of our blocks
             self.counters["fetch_misses"] += 1
-            self._key_warnings.log("redis key %s could not be read (%s); treated as a miss",
+            self._key_warnings.warning("redis key %s could not be read (%s); treated as a miss",
                                        block_key(ns, key), _describe(value))
             return None
         decoded = decode_value(value)
         if decoded is None:
             self.counters["fetch_misses"] += 1
-            self._key_warnings.log("redis key %s does not hold a kvstore block value; ignored",
+            self._key_warnings.warning("redis key %s does not hold a kvstore block value; ignored",
                                        block_key(ns, key))
             return None
         data, checksum, tag = decoded
@@ -700,7 +700,7 @@ class RedisTier(Tier):
             # Its checksum holds (it is another key's block, whole), so only the server can tell: a miss.
             self.counters["fetch_misses"] += 1
             self.counters["misplaced_values"] += 1
-            self._key_warnings.log("redis key %s holds the block of another key (copied or "
+            self._key_warnings.warning("redis key %s holds the block of another key (copied or "
                                        "renamed in redis); treated as a miss", block_key(ns, key))
             return None
         self.counters["fetched_blocks"] += 1
@@ -708,7 +708,7 @@ class RedisTier(Tier):
         if checksum and xxhash.xxh3_64_intdigest(data) != checksum:
             # Returned anyway: the client checks the same checksum and reports the corruption.
             self.counters["checksum_mismatches"] += 1
-            self._key_warnings.log("redis key %s fails its checksum (corrupted in redis)",
+            self._key_warnings.warning("redis key %s fails its checksum (corrupted in redis)",
                                        block_key(ns, key))
         return data, checksum
 

@@ -27,7 +27,6 @@ from kvstore.errors import (
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
 from kvstore.messages import OP_NAMES, REQUESTS
 from kvstore.store import BlockRef, BlockStore, Reservation
-from kvstore.throttle import ThrottledLog
 
 from .auth import Grant, TokenTable
 from .metrics import LatencyHistograms
@@ -38,11 +37,6 @@ if TYPE_CHECKING:
     from .shm import ShmSession
 
 log = logging.getLogger(__name__)
-#: Blocks put again that the tier had lost, written again: after a Redis restart under load, a line
-#: per put but for this (at most one every 10 s, counting those held back).
-_rewrites = ThrottledLog(log, level=logging.INFO)
-_REWROTE = ("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
-            "(a Redis restarted without persistence, a key expired or evicted)")
 
 #: Namespaces a STATS reply lists, the largest first (all of them are on /metrics).
 STATS_NAMESPACES = 1000
@@ -323,7 +317,8 @@ class PutSink:
             log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
                         len(again), self.ns, exc)
             return
-        _rewrites.log(_REWROTE, len(again), self.ns)
+        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
+                 "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
         """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they
@@ -343,7 +338,8 @@ class PutSink:
         # (A delete that ran during the write may have reached Redis before it: the block is then
         # there as if this put, answered after that delete, came after it. Deleting it again here
         # could remove a third put's copy, acknowledged.)
-        _rewrites.log(_REWROTE, len(again), self.ns)
+        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
+                 "(a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
 
     def _tier_failure(self, exc: Exception, n: int) -> Unavailable:
         if isinstance(exc, Unavailable):

@@ -14,13 +14,13 @@ def test_a_kind_is_logged_once_per_window_and_the_next_line_counts_the_rest(capl
     log = ThrottledLog(logging.getLogger("kvstore.test.throttle"), seconds=10.0, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="kvstore.test.throttle"):
         for key in ("a", "b", "c"):
-            log.log("redis key %s is corrupt", key)
-        log.log("redis %s is down", "r1")  # another kind: not held back by the first
+            log.warning("redis key %s is corrupt", key)
+        log.warning("redis %s is down", "r1")  # another kind: not held back by the first
         now[0] += 9.9
-        log.log("redis key %s is corrupt", "d")
+        log.warning("redis key %s is corrupt", "d")
         now[0] += 0.1
-        log.log("redis key %s is corrupt", "e")
-        log.log("redis key %s is corrupt", "f")
+        log.warning("redis key %s is corrupt", "e")
+        log.warning("redis key %s is corrupt", "f")
     assert [r.getMessage() for r in caplog.records] == [
         "redis key a is corrupt",
         "redis r1 is down",

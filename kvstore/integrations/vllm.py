@@ -550,7 +550,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         try:
             chain, have, windowed = self._ask(key, req_context, pin=True)
         except KVStoreError as exc:
-            self._warnings.log("kvstore lookup failed, treating it as a miss: %s", exc)
+            self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             self._known[key] = LookupResult.MISS
             return
         for k, present in zip(chain, have):
@@ -587,7 +587,7 @@ class KVStoreOffloadingManager(OffloadingManager):
             return LookupResult.RETRY
         self._end_wait(req_context.req_id, wait)
         if not wait.whole >= wait.groups:
-            self._warnings.log(
+            self._warnings.warning(
                 "kvstore: a do_remote_prefill request's chain was not whole after waiting %.1fs "
                 "(kvstore_remote_prefill_wait_s; KV-cache groups whole: %s of %s); computing the rest "
                 "(does its prefill engine store to this namespace?)", self._remote_prefill_wait_s,
@@ -611,7 +611,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         try:
             present = self._client.exists(self._wire([k for chain in chains for k in chain]))
         except KVStoreError as exc:
-            self._warnings.log("kvstore lookup failed, treating it as a miss: %s", exc)
+            self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             for ctx, w, _ in due:
                 self._end_wait(ctx.req_id, w)
             return False
@@ -647,7 +647,7 @@ class KVStoreOffloadingManager(OffloadingManager):
                 self.round_trips += 1
                 n = self._client.lookup(unpinned, pin=True, lease_ms=self._lease_ms)
             except KVStoreError as exc:
-                self._warnings.log("kvstore: could not pin %d blocks to load: %s", len(unpinned), exc)
+                self._warnings.warning("kvstore: could not pin %d blocks to load: %s", len(unpinned), exc)
             else:
                 if n < len(unpinned):
                     logger.warning("kvstore: %d of %d blocks to load are gone already", len(unpinned) - n,
@@ -673,7 +673,7 @@ class KVStoreOffloadingManager(OffloadingManager):
             self.round_trips += 1
             self._client.unpin(leftover)
         except KVStoreError as exc:  # the leases expire on their own
-            self._warnings.log("kvstore: could not unpin %d blocks: %s", len(leftover), exc)
+            self._warnings.warning("kvstore: could not unpin %d blocks: %s", len(leftover), exc)
 
     # -- stores
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -700,7 +700,7 @@ class KVStoreOffloadingManager(OffloadingManager):
                     self.round_trips += 1
                     self._client.lookup(self._wire(stored))
             except KVStoreError as exc:
-                self._warnings.log("kvstore: cannot store %d chunks: %s", len(todo), exc)
+                self._warnings.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
                 return None
             todo = [k for i, k in enumerate(todo) if not self._all_ranks(present, i)]
         self._storing.update(todo)
