@@ -167,7 +167,11 @@ class AsyncKVClient:
         missing, a put to it fails): an engine starts while one shard is down. When it raises, the
         connections it opened are closed again."""
         self.closed = False
-        opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
+        try:
+            opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
+        except BaseException:  # (cancelled, say by a timeout around it: what it opened is closed again)
+            await asyncio.shield(asyncio.gather(*(n.close() for n in self.nodes)))
+            raise
         failed = [(n, e) for n, e in zip(self.nodes, opened) if isinstance(e, BaseException)]
         if not failed:
             return

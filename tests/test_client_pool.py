@@ -364,6 +364,28 @@ def test_a_client_over_several_servers_starts_while_one_is_down(
             kv.close()
 
 
+async def test_a_connect_cut_off_by_a_timeout_closes_what_it_opened(make_server: MakeServer) -> None:
+    """A connect() cancelled (a timeout around it) while one server stayed silent kept the
+    connection it had opened to the other: each retry of the caller's left one more open there."""
+    live = make_server("--capacity", "8MiB")
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        kv = AsyncKVClient([live.addr, f"127.0.0.1:{silent.getsockname()[1]}"], namespace="p", connect_timeout=5)
+        try:
+            for _ in range(2):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(kv.connect(), 0.5)
+                assert [(n.conns, n.opening) for n in kv.nodes] == [([], set()), ([], set())]
+        finally:
+            await kv.close()
+    async with AsyncKVClient(live.addr, namespace="p") as check:
+        until = time.monotonic() + 5
+        while (await check.stats())["connections"] > 1 and time.monotonic() < until:  # (closes land)
+            await asyncio.sleep(0.05)
+        assert (await check.stats())["connections"] == 1  # its own: none left over
+
+
 def _nothing_listens() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
