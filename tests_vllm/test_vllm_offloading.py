@@ -10,15 +10,18 @@ only the new (3, 4, 5) if not.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from kvstore.client import KVClient
+from kvstore.client.sharding import Ring
 from kvstore.engine.transfer import HEADER_SIZE
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm import store_key
@@ -435,6 +438,34 @@ def test_refused_store_is_not_fatal(make_engine: Callable[..., Engine],
         assert log.stored == (0, 1, 2)  # the store job ran ...
         assert engine.worker.store_failures == 1  # ... the server refused it (full), and vLLM went on
         assert not engine.scheduler.requests
+
+
+def test_a_store_job_over_two_servers_with_one_down_still_stores_the_live_ones_chunks(
+        make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    """A store job cut in stretches (the chunks a server had already were skipped) stopped at the
+    first put that failed: with one of two servers down, the live server's chunks of the later
+    stretches were dropped with it, and every later request recomputed them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+    live = kvstore_server.addr
+    engine = make_engine(f"{live},{down}", namespace="one-down")
+    ring = Ring([live, down])
+    for base in range(10_000, 1_000_000, 100):  # chunk 0 on the down server, 1 on the live one, and more there
+        prompt = list(range(base, base + 72))
+        probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+                        pooling_params=None, block_hasher=engine._block_hasher)
+        on_live = [ring.nodes[ring.node_of(chunk_key(probe, c))] == live for c in range(6)]
+        if not on_live[0] and on_live[1] and any(on_live[2:]):
+            break
+    engine.new_request(prompt[:24])  # chunk 1 is stored on the live server, chunk 0 fails
+    engine.run([EOS_TOKEN_ID])
+    assert engine.scheduler.reset_prefix_cache()
+    req = engine.new_request(prompt + [1])  # its store: [chunk 0] (fails), then [chunks 2..5]
+    engine.run([0, EOS_TOKEN_ID])
+    assert engine.worker.store_failures == 2
+    with KVClient(live, namespace="one-down") as check:
+        assert check.exists([chunk_key(req, c) for c in range(6)]) == on_live
 
 
 def test_prefill_for_remote_decode_stores_the_chunks_a_failing_store_of_another_request_holds(

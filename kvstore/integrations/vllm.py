@@ -77,10 +77,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
-from kvstore.client import KVClient
+from kvstore.client import KVClient, PutResult
 from kvstore.client.tokens import read_token_file
 from kvstore.engine.transfer import PagedKVTransfer, PayloadMismatch, unusable
-from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError
+from kvstore.errors import BlockSizeError, IntegrityError, KVStoreError, RequestTimeout
 from kvstore.throttle import ThrottledLog
 
 __all__ = [
@@ -878,6 +878,7 @@ class KVStoreOffloadingWorker(OffloadingWorker):
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._gathered: dict[int, Future[_Staged | None]] = {}  # a store job's GPU reads (what vLLM waits for)
         self.store_failures = 0  # stores the server refused, skipped, or that crashed (for tests and diagnostics)
+        self._warnings = ThrottledLog(logger)  # (a server down fails every store job: a line each would flood)
         self.max_store_backlog = MAX_STORE_BACKLOG_BYTES  # gathered bytes waiting for the server, at most
         self._backlog = 0
         self._backlog_lock = threading.Lock()
@@ -1020,13 +1021,12 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                            "still waiting for the server", job_id, _mib(self._backlog))
             return TransferResult(job_id=job_id, success=True)
         try:
-            for part, keys, parents, buffers in staged.parts:
-                for lo, hi in _runs(keys, parents):  # one put per stretch of consecutive chunks
-                    self._store_client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]], parent=parents[lo])
-        except KVStoreError as exc:
-            self.store_failures += 1
-            logger.warning("kvstore: store job %d failed, its chunks stay uncached: %s", job_id, exc)
-            return TransferResult(job_id=job_id, success=True)  # (no size: vLLM's metrics count what moved)
+            failed = self._put_stretches(staged)
+            if failed is not None:
+                self.store_failures += 1
+                self._warnings.warning("kvstore: store job %d failed, %d of its %d chunks stay uncached: %s",
+                                       job_id, *failed)
+                return TransferResult(job_id=job_id, success=True)  # (no size: vLLM's metrics count what moved)
         except Exception:
             self.store_failures += 1
             logger.exception("kvstore: store job %d crashed, its chunks stay uncached", job_id)
@@ -1035,6 +1035,29 @@ class KVStoreOffloadingWorker(OffloadingWorker):
             self._unstage(staged)
         return TransferResult(job_id=job_id, success=True, transfer_size=staged.nbytes,
                               transfer_time=time.perf_counter() - start)
+
+    def _put_stretches(self, staged: _Staged) -> tuple[int, int, KVStoreError] | None:
+        """One put per stretch of consecutive chunks; a stretch that fails does not stop the others
+        (over several servers, one down fails only its own chunks), unless it timed out: a server
+        that hangs costs a job one timeout, not one per stretch. Returns (chunks not stored, of
+        how many, the first error), or None when every put went through."""
+        error: KVStoreError | None = None
+        timed_out = False
+        lost = total = 0
+        for _part, keys, parents, buffers in staged.parts:
+            total += len(keys)
+            for lo, hi in _runs(keys, parents):
+                if timed_out:
+                    lost += hi - lo
+                    continue
+                try:
+                    self._store_client.put(keys[lo:hi], [b.numpy().data for b in buffers[lo:hi]], parent=parents[lo])
+                except KVStoreError as exc:
+                    result = getattr(exc, "result", None)  # (a put over several servers: what failed)
+                    lost += result.failed if isinstance(result, PutResult) else hi - lo
+                    error = error or exc
+                    timed_out = isinstance(exc, RequestTimeout)
+        return None if error is None else (lost, total, error)
 
     def _whole_chunks(self, part: _Part) -> tuple[list[bytes], list[int], list[bytes | None]]:
         """The part's fully covered chunks (keys, GPU blocks, parents): a payload is always a whole chunk.
