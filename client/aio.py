@@ -406,9 +406,9 @@ class AsyncKVClient:
         return first_missing
 
     async def _answered(self, keys: Sequence[bytes], one: Callable[[Node, Sequence[int]], Awaitable[T]],
-                        what: str) -> list[tuple[Node, Sequence[int], T | None]]:
+                        what: str, strict: bool = False) -> list[tuple[Node, Sequence[int], T | None]]:
         """Each server, its share of ``keys`` and its answer, None for a server that failed (a
-        ``KVStoreError``) while another answered; raises when none did."""
+        ``KVStoreError``) while another answered; raises when none did (``strict``: when one did not)."""
         groups = self._groups(keys)
         if len(groups) == 1:
             node, idx = groups[0]
@@ -418,7 +418,7 @@ class AsyncKVClient:
         for r in failures:
             if not isinstance(r, KVStoreError):  # (a cancel, a bug)
                 raise r
-        if len(failures) == len(groups):
+        if failures and (strict or len(failures) == len(groups)):
             raise failures[0]
         now = time.monotonic()
         for (node, _), r in zip(groups, results):
@@ -550,14 +550,15 @@ class AsyncKVClient:
             _raise_partial(errors, len(keys), "unusable", out)
         return out
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
         """Which keys are stored, in key order.
 
         Over several servers, as with ``lookup``: a key of a server that failed counts as absent
         (it cannot be read now; an engine asking what to store stores it again, and that put
         reports the server's failure), a warning is logged, and it raises only when no server
-        answered. (``stats()`` lists a failed server under ``"errors"``; ``delete()``, ``unpin()``
-        and ``flush()`` raise when one fails.)"""
+        answered -- with ``strict``, when any server failed (for a caller that waits for keys to
+        appear: absent is not the answer then). (``stats()`` lists a failed server under
+        ``"errors"``; ``delete()``, ``unpin()`` and ``flush()`` raise when one fails.)"""
         keys = _checked_keys(keys)
         if not keys:
             return []
@@ -571,7 +572,7 @@ class AsyncKVClient:
             return out
 
         present = [False] * len(keys)
-        for _, idx, vals in await self._answered(keys, one, "an exists"):
+        for _, idx, vals in await self._answered(keys, one, "an exists", strict):
             for i, v in zip(idx, vals or ()):
                 present[i] = v
         return present

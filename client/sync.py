@@ -147,8 +147,8 @@ class KVClient:
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, unpin: bool = False) -> list[bool]:
         return self._runner.run(self._aio.get_into(keys, buffers, unpin=unpin))
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._runner.run(self._aio.exists(keys))
+    def exists(self, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
+        return self._runner.run(self._aio.exists(keys, strict=strict))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._runner.run(self._aio.delete(keys))

@@ -343,6 +343,8 @@ def test_a_client_over_several_servers_starts_while_one_is_down(
                 kv.put(keys, [b"x" * 100] * len(keys))
             assert info.value.result.statuses == ["stored" if up else "failed" for up in on_live]  # type: ignore[attr-defined]
             assert kv.exists(keys) == on_live
+            with pytest.raises(TransportError):  # (strict: a server that failed is not "absent")
+                kv.exists(keys, strict=True)
     assert [r.getMessage() for r in caplog.records if "connected to" in r.getMessage()] == [
         f"connected to 1 of 2 servers; {dead} failed (cannot connect to {dead}: Connection refused): "
         "calls will try it again"]

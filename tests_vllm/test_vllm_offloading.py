@@ -300,6 +300,21 @@ def test_waiting_decode_requests_stop_waiting_when_the_server_fails(make_engine:
     assert all(r.num_computed_tokens >= 30 for r in waiting) and not engine.scheduler.requests
 
 
+def test_waiting_decode_requests_stop_waiting_when_one_of_two_servers_is_down(
+        make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    """Over two servers, one down: its keys read as "not stored yet" (an exists goes on without a
+    server that fails), so a decode request whose chain had a chunk there waited out the whole
+    kvstore_remote_prefill_wait_s, blaming its prefill engine. A failed server ends the wait."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+    engine = make_engine(f"{kvstore_server.addr},{down}", kvstore_remote_prefill_wait_s=600)
+    waiting = [engine.new_request(list(range(3000 + 100 * i, 3037 + 100 * i)),  # 3 chunks each: some on `down`
+                                  kv_transfer_params={"do_remote_prefill": True}) for i in range(4)]
+    engine.run([0, EOS_TOKEN_ID])  # (raises "tokens were never sampled" if they still wait)
+    assert all(r.num_computed_tokens >= 37 for r in waiting) and not engine.scheduler.requests
+
+
 def _blocks_gone_after_the_lookup(engine: Engine, addr: str) -> Callable[[], None]:
     """Make the next load find nothing: its blocks are flushed right after the lookup that found
     them (as by a memory-only server restarted in between). Returns the undo."""
@@ -649,8 +664,8 @@ def test_a_sliding_window_hit_is_leased_before_it_is_answered(make_engine: Calla
     exists = client.exists
     evictor = KVClient(kvstore_server.addr, namespace="sw")
 
-    def exists_then_evicted(keys: list[bytes]) -> list[bool]:  # (another engine's stores evict them)
-        present = exists(keys)
+    def exists_then_evicted(keys: list[bytes], **kwargs: Any) -> list[bool]:  # (another engine's stores evict them)
+        present = exists(keys, **kwargs)
         evictor.delete(keys)
         return present
 
@@ -701,8 +716,8 @@ def test_a_waiting_decode_request_is_never_answered_an_unpinned_hit(make_engine:
             kv.delete([chunk_key(stored, 0)])  # another engine's stores evict a chunk it found
         return n
 
-    def exists_then_evicted(keys: list[bytes]) -> list[bool]:
-        present = exists(keys)
+    def exists_then_evicted(keys: list[bytes], **kwargs: Any) -> list[bool]:
+        present = exists(keys, **kwargs)
         kv.delete([chunk_key(stored, 0)])
         return present
 

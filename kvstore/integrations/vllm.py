@@ -609,7 +609,8 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._prefill_probed = True
         self.round_trips += 1
         try:
-            present = self._client.exists(self._wire([k for chain in chains for k in chain]))
+            # (strict: over several servers, one that fails must end the wait too, not read as "not yet")
+            present = self._client.exists(self._wire([k for chain in chains for k in chain]), strict=True)
         except KVStoreError as exc:
             self._warnings.warning("kvstore lookup failed, treating it as a miss: %s", exc)
             for ctx, w, _ in due:
