@@ -263,21 +263,11 @@ class Server:
         """Let write-behind checks of blocks put again (``Service.tier_checks``) end, for at most
         ``timeout`` seconds or until the stop is asked again: a block they queue joins the queue's
         last flush. The rest are cut off, and the log says so."""
-        checks = set(self.service.tier_checks)
+        checks: set[asyncio.Task[None]] = set(self.service.tier_checks)
         if not checks:
             return
-        if timeout > 0 and not self._hurried.is_set():
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            hurried = asyncio.create_task(self._hurried.wait())
-            pending = set(checks)
-            try:
-                while pending and not hurried.done() and loop.time() < deadline:
-                    _, pending = await asyncio.wait(pending | {hurried}, timeout=deadline - loop.time(),
-                                                    return_when=asyncio.FIRST_COMPLETED)
-                    pending.discard(hurried)
-            finally:  # (also when the server's own task is cancelled here)
-                hurried.cancel()
+        if timeout > 0:
+            await self._until_hurried(checks, asyncio.get_running_loop().time() + timeout)
         cut = [t for t in checks if not t.done()]
         for task in cut:
             task.cancel()
@@ -285,6 +275,21 @@ class Server:
         if cut:
             log.warning("stopping: %d check(s) in Redis of blocks put again were cut off (those blocks "
                         "were not checked, nor written again if Redis lacked them)", len(cut))
+
+    async def _until_hurried(self, tasks: set[Any], deadline: float) -> set[Any]:
+        """Wait for ``tasks`` until the loop's ``deadline`` or the stop is asked again; the ones
+        not done. Nothing of its own is left pending when the caller's task is cancelled here."""
+        loop = asyncio.get_running_loop()
+        hurried = asyncio.create_task(self._hurried.wait())
+        pending = set(tasks)
+        try:
+            while pending and not hurried.done() and loop.time() < deadline:
+                _, pending = await asyncio.wait(pending | {hurried}, timeout=deadline - loop.time(),
+                                                return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(hurried)
+        finally:
+            hurried.cancel()
+        return pending
 
     async def _start_unix(self) -> None:
         """The same-host listener (--unix): same protocol, plus shared memory unless --no-shm."""
@@ -436,14 +441,9 @@ class Server:
             conn.start_drain()
         busy = {asyncio.create_task(c.idle.wait()) for c in self.connections}
         if busy:
-            hurried = asyncio.create_task(self._hurried.wait())
             try:
-                while busy and not hurried.done() and loop.time() < deadline:
-                    done, _ = await asyncio.wait(busy | {hurried}, timeout=deadline - loop.time(),
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    busy -= done
+                busy = await self._until_hurried(busy, deadline)
             finally:  # (also when the server's own task is cancelled here: no task left pending)
-                hurried.cancel()
                 for t in busy:
                     t.cancel()
             if busy:

@@ -285,9 +285,7 @@ async def test_a_batch_error_names_the_callers_own_mistake_before_a_server_that_
     """One server down, and on the other a buffer of the wrong size (the caller's bug): the error
     raised is the BlockSizeError, not the lower key's TransportError, and .errors has each key's."""
     live = make_server("--capacity", "8MiB")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+    dead = _nothing_listens()
     kv = AsyncKVClient([dead, live.addr], namespace="p", retries=0, connect_timeout=1)
     candidates = [key(i, "mistake") for i in range(64)]  # (the ports, so the placement, change per run)
     on = {k: kv.nodes[kv.ring.node_of(k)].addr for k in candidates}
@@ -311,9 +309,7 @@ async def test_a_batch_error_names_the_callers_own_mistake_before_a_server_that_
 async def test_a_server_that_cannot_be_reached_is_raised_as_itself_to_each_caller() -> None:
     """One server, down: put and get raise the connect error itself (its message and traceback,
     with .result), and callers that shared a failed open each get an exception of their own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = _nothing_listens()
     kv = AsyncKVClient(dead, namespace="p", pool_size=1, retries=0, connect_timeout=1)
     try:
         with pytest.raises(TransportError, match="^cannot connect") as info:

@@ -74,6 +74,13 @@ def count_calls(client: KVClient, *names: str) -> dict[str, list[int]]:
     return calls
 
 
+def nothing_listens() -> str:
+    """A loopback address nothing listens on (a server that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+
+
 # --------------------------------------------------------------------------- the seed scenario
 
 
@@ -305,9 +312,7 @@ def test_waiting_decode_requests_stop_waiting_when_one_of_two_servers_is_down(
     """Over two servers, one down: its keys read as "not stored yet" (an exists goes on without a
     server that fails), so a decode request whose chain had a chunk there waited out the whole
     kvstore_remote_prefill_wait_s, blaming its prefill engine. A failed server ends the wait."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        down = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+    down = nothing_listens()
     engine = make_engine(f"{kvstore_server.addr},{down}", kvstore_remote_prefill_wait_s=600)
     waiting = [engine.new_request(list(range(3000 + 100 * i, 3037 + 100 * i)),  # 3 chunks each: some on `down`
                                   kv_transfer_params={"do_remote_prefill": True}) for i in range(4)]
@@ -460,9 +465,7 @@ def test_a_store_job_over_two_servers_with_one_down_still_stores_the_live_ones_c
     """A store job cut in stretches (the chunks a server had already were skipped) stopped at the
     first put that failed: with one of two servers down, the live server's chunks of the later
     stretches were dropped with it, and every later request recomputed them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        down = f"127.0.0.1:{s.getsockname()[1]}"  # (closed again: nothing listens there)
+    down = nothing_listens()
     live = kvstore_server.addr
     engine = make_engine(f"{live},{down}", namespace="one-down")
     ring = Ring([live, down])
