@@ -11,6 +11,7 @@ only the new (3, 4, 5) if not.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -316,6 +317,12 @@ def test_waiting_decode_requests_stop_waiting_when_one_of_two_servers_is_down(
     engine = make_engine(f"{kvstore_server.addr},{down}", kvstore_remote_prefill_wait_s=600)
     waiting = [engine.new_request(list(range(3000 + 100 * i, 3037 + 100 * i)),  # 3 chunks each: some on `down`
                                   kv_transfer_params={"do_remote_prefill": True}) for i in range(4)]
+    # (probe rounds are >= 20 ms apart, and a request that came after a step's round joins the next:
+    # step until each has been asked and computed its prompt, 10 s at most against the 600 s wait)
+    until = time.monotonic() + 10
+    while any(r.num_computed_tokens == 0 for r in waiting) and time.monotonic() < until:
+        engine.step(None)
+        time.sleep(0.03)
     engine.run([0, EOS_TOKEN_ID])  # (raises "tokens were never sampled" if they still wait)
     assert all(r.num_computed_tokens >= 37 for r in waiting) and not engine.scheduler.requests
 
