@@ -415,9 +415,9 @@ class AsyncKVClient:
             return [(node, idx, await one(node, idx))]
         results = await asyncio.gather(*(one(node, idx) for node, idx in groups), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
-        for r in failures:
-            if not isinstance(r, KVStoreError):  # (a cancel, a bug)
-                raise r
+        for exc in failures:
+            if not isinstance(exc, KVStoreError):  # (a cancel, a bug)
+                raise exc
         if failures and (strict or len(failures) == len(groups)):
             raise failures[0]
         now = time.monotonic()

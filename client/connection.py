@@ -339,7 +339,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         # Other requests on it fail with a (retryable) TransportError.
         self.abort(TransportError("a request timed out; connection discarded"))
 
-    def _dropped_timed_out(self, rid: int, timeout: float) -> None:
+    def _dropped_timed_out(self, rid: int, timeout: float | None) -> None:
         p = self.pending.get(rid)
         if p is not None and p.dropped:
             self.abort(TransportError(f"no reply within {timeout}s (to a cancelled request); connection discarded"))
@@ -386,7 +386,7 @@ def _drop_outcome(fut: asyncio.Future[Any]) -> None:
 
 
 async def open_connection(host: str, port: int, *, namespace: str, token: str | None, tls: ssl.SSLContext | None,
-                          limits: Limits, timeout: float, server_hostname: str | None = None,
+                          limits: Limits, timeout: float | None, server_hostname: str | None = None,
                           unix: str | None = None, hello: bool = True) -> ClientConnection:
     """Connect (to ``unix`` when given: a Unix socket path, no TLS) and say HELLO (without
     ``hello``: a bare connection, good for PING only, which a server answers without a token)."""

@@ -521,8 +521,10 @@ async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     connection limit (``Unavailable``), asked again by the next new connection.
     """
     info = conn.hello.get("shm")
+    if not isinstance(info, dict):
+        info = {}
     want = node.client.shm
-    instance = info.get("instance") if isinstance(info, dict) else None
+    instance = info.get("instance")
     if node.shm is not None:
         if node.shm.segment.instance == instance:
             return node.shm

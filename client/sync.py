@@ -29,6 +29,7 @@ class _LoopThread:
     _instance: _LoopThread | None = None
 
     def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
             self.loop = uvloop.new_event_loop()

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from .protocol import Limits
 
@@ -137,5 +137,5 @@ class ServerConfig:
         return Limits(max_meta=max(4 << 20, self.max_batch * 256), max_payload=self.max_frame_size,
                       max_batch=self.max_batch)
 
-    def replace(self, **changes: object) -> ServerConfig:
+    def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)

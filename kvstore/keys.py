@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from .errors import InvalidRequest
 
@@ -33,7 +34,7 @@ def check_keys(keys: Sequence[object]) -> None:
     the culprit.
     """
     if list(map(type, keys)).count(bytes) == len(keys):
-        lengths = {*map(len, keys)}  # one or two distinct lengths in practice
+        lengths = {*map(len, cast("Sequence[bytes]", keys))}  # one or two distinct lengths in practice
         if not lengths or (MIN_KEY_LEN <= min(lengths) and max(lengths) <= MAX_KEY_LEN):
             return
     for key in keys:

@@ -304,7 +304,7 @@ REQUESTS: dict[int, type[Message]] = {
 }
 
 #: Each request's name, as the server's counters, logs and metrics label it.
-OP_NAMES: dict[type[Message], str] = {
+OP_NAMES: dict[type, str] = {
     Hello: "hello", Ping: "ping", Put: "put", Lookup: "lookup", Get: "get", Exists: "exists", Delete: "delete",
     Unpin: "unpin", Stats: "stats", Flush: "flush", ShmAttach: "shm_attach", ShmGet: "shm_get", ShmPut: "shm_put",
     ShmCommit: "shm_commit", ShmRelease: "shm_release",

@@ -106,7 +106,8 @@ class PayloadSink(Protocol):
     ``received(i, view)``, called with each piece of block ``i`` as it lands
     (while it is still in cache: the client checksums blocks this way)."""
 
-    sizes: Sequence[int]
+    @property
+    def sizes(self) -> Sequence[int]: ...
 
     def target(self, i: int) -> list[memoryview] | None: ...
 

@@ -43,7 +43,7 @@ import time
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter, itemgetter
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from .arena import Arena, Extent
 from .config import format_size
@@ -413,9 +413,10 @@ class BlockStore:
         _check_ns(ns)
         deadline = self._deadline(lease_s) if pin else 0.0
         ns_blocks = self._blocks.get(ns, {})
-        found: list[_Block] = self._index(ns_blocks, keys)  # type: ignore[assignment]
-        if not all(found):  # (a block is always true: a fast C test)
-            found = found[:found.index(None)]
+        indexed = self._index(ns_blocks, keys)
+        if not all(indexed):  # (a block is always true: a fast C test)
+            indexed = indexed[:indexed.index(None)]
+        found = cast("list[_Block]", indexed)  # (the blocks before the first miss)
         if pin and self._leases + len(found) > self._max_leases:
             self.expire_leases()
             if self._leases + len(found) > self._max_leases:

@@ -226,7 +226,7 @@ class RedisTier(Tier):
         self._giving_up = asyncio.Event()  # close(): stop flushing now
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
-        self.max_block = _BULK_LEN - HEADER_SIZE
+        self.max_block: int = _BULK_LEN - HEADER_SIZE
         self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
         #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
@@ -319,8 +319,8 @@ class RedisTier(Tier):
         self._limit_read = True
         try:
             every_master = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}  # (else: a random node)
-            reply = await self.client.config_get("proto-max-bulk-len", **every_master)
-            limits = [reply] if "proto-max-bulk-len" in reply else list(reply.values())  # (cluster: per node)
+            reply: Any = await self.client.config_get("proto-max-bulk-len", **every_master)  # (cluster: per node)
+            limits = [reply] if "proto-max-bulk-len" in reply else list(reply.values())
             values = [int(r["proto-max-bulk-len"]) for r in limits if str(r.get("proto-max-bulk-len", "")).isdigit()]
         except (*_REDIS_ERRORS, AttributeError, TypeError):  # a managed Redis may refuse CONFIG
             return

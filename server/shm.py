@@ -194,7 +194,7 @@ class ShmService:
         return session.authenticated and (session.grant is None or "*" in session.grant.patterns)
 
     # -- SHM_ATTACH
-    def attach(self, session: Session, transport: asyncio.BaseTransport, request_id: int) -> None:
+    def attach(self, session: Session, transport: asyncio.Transport, request_id: int) -> None:
         """Answer SHM_ATTACH with the arena's memfd as SCM_RIGHTS ancillary data.
 
         Raises:

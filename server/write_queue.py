@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Container, Sequence
 
 #: A write-behind backlog that grew past this gives the C heap's free pages back once it drains:
@@ -63,6 +64,10 @@ class WriteQueue:
     def _fits(self, item: QueuedBlock) -> bool:
         return self.nbytes == 0 or self.nbytes + len(item.value) <= self.limit
 
+    def _may_go(self, item: QueuedBlock, refuse: Callable[[], bool]) -> bool:
+        """What ``put`` waits for: the item cancelled, room for it, or a refusal."""
+        return item.cancelled or self._fits(item) or refuse()
+
     async def put(self, items: Sequence[QueuedBlock], refuse: Callable[[], bool]) -> bool:
         """Queue ``items`` in order, each once there is room (one item larger than the limit still
         passes alone); an item a delete cancels meanwhile is dropped.
@@ -75,7 +80,7 @@ class WriteQueue:
         try:
             async with self.changed:
                 for i, item in enumerate(items):
-                    await self.changed.wait_for(lambda it=item: it.cancelled or self._fits(it) or refuse())
+                    await self.changed.wait_for(partial(self._may_go, item, refuse))
                     self.pending.discard(item)
                     if item.cancelled:
                         continue

@@ -26,7 +26,7 @@ import shlex
 import signal
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, Coroutine, NamedTuple
 
 from kvstore.config import parse_size
 
@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    runner: Callable[[Coroutine[Any, Any, dict[str, Any]]], dict[str, Any]]
     try:
         import uvloop
         runner = uvloop.run

@@ -203,7 +203,7 @@ class KVStoreTarget(Target):
             if not all(found):
                 raise RuntimeError("kvstore: a benchmark block went missing")
 
-        ops = {"put": put, "get": get, "get_into": get_into}
+        ops: dict[str, Callable[[int], Awaitable[None]]] = {"put": put, "get": get, "get_into": get_into}
         unverified = self.unverified
         if unverified is not None and batch > 1:  # the cost shows in batches; single requests are round-trip bound
             async def get_into_nv(i: int) -> None:
@@ -346,7 +346,7 @@ class RedisTarget(Target):
 
         async def get(i: int) -> None:
             if batch == 1:
-                out = [await r.get(keys[0])]
+                out: list[Any] = [await r.get(keys[0])]
             else:
                 p = r.pipeline(transaction=False)
                 for k in keys:
@@ -356,7 +356,7 @@ class RedisTarget(Target):
                 raise RuntimeError("redis: bad reply")
 
         async def mget(i: int) -> None:
-            out = await r.mget(keys)
+            out: list[Any] = await r.mget(keys)
             if len(out[-1]) != size:
                 raise RuntimeError("redis: bad reply")
 
