@@ -10,6 +10,7 @@ only the new (3, 4, 5) if not.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -292,6 +293,38 @@ def test_unreachable_server_means_misses(make_engine: Callable[..., Engine], kvs
     engine.new_request(prompt)
     log = engine.run([0, EOS_TOKEN_ID])
     assert (log.loaded, log.stored) == ((), ())
+    assert not engine.scheduler.requests
+
+
+class _Lines(logging.Handler):
+    """The messages a logger emits (vLLM's loggers do not propagate to pytest's caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_server_down_costs_no_vllm_warning_per_step(make_engine: Callable[..., Engine],
+                                                       kvstore_server: ServerProcess) -> None:
+    """prepare_store answered None when the server could not be asked, which vLLM counts as an
+    allocation failure, logs ("Request N: cannot store chunks") and retries at the next step: one line
+    per request and step for as long as the server stayed down (11 for this one request)."""
+    engine = make_engine(kvstore_server.addr)
+    kvstore_server.stop()
+    lines = _Lines()
+    vllm_log = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    vllm_log.addHandler(lines)
+    try:
+        engine.new_request(list(range(400, 424)))
+        log = engine.run([0] * 10 + [EOS_TOKEN_ID])
+    finally:
+        vllm_log.removeHandler(lines)
+    assert (log.loaded, log.stored) == ((), ())
+    assert not [line for line in lines.lines if "cannot store" in line]
+    assert engine.manager.round_trips == 2  # its lookup, and one EXISTS: not one at every step (12 before)
     assert not engine.scheduler.requests
 
 

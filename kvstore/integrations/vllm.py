@@ -701,9 +701,12 @@ class KVStoreOffloadingManager(OffloadingManager):
                     self.round_trips += 1
                     self._client.lookup(self._wire(stored))
             except KVStoreError as exc:
-                self._warnings.warning("kvstore: cannot store %d chunks: %s", len(todo), exc)
-                return None
-            todo = [k for i, k in enumerate(todo) if not self._all_ranks(present, i)]
+                # Skipped, not refused: on None vLLM asks again, and logs "cannot store chunks", at
+                # every step of every request for as long as the server is down (quarantined or not).
+                self._warnings.warning("kvstore: cannot store %d chunks, skipped: %s", len(todo), exc)
+                todo = []
+            else:
+                todo = [k for i, k in enumerate(todo) if not self._all_ranks(present, i)]
         self._storing.update(todo)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in todo],
