@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
@@ -40,6 +41,12 @@ class _LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="kvstore-client-loop", daemon=True)
         self.thread.start()
 
+    def can_wait(self) -> bool:
+        """Whether a call may wait for the loop thread: not on that thread itself (it would wait on
+        itself, and every client of the process with it), nor while the interpreter shuts down (the
+        thread no longer runs: a ``__del__`` at exit would block the process for good)."""
+        return threading.current_thread() is not self.thread and not sys.is_finalizing()
+
     @classmethod
     def get(cls) -> _LoopThread:
         with cls._lock:
@@ -51,6 +58,11 @@ class _LoopThread:
         if os.getpid() != self.pid:  # forked: the loop thread (and the connections) stayed in the parent
             coro.close()
             raise TransportError("this KVClient was made in the parent of a fork; make a new one in this process")
+        if not self.can_wait():
+            coro.close()
+            raise TransportError("a KVClient call cannot wait here: " + (
+                "the interpreter is shutting down" if sys.is_finalizing() else
+                "this is the clients' own event-loop thread (a __del__ the garbage collector ran there?)"))
         call = _Call(coro)
         try:
             self.loop.call_soon_threadsafe(call.start)
@@ -132,7 +144,12 @@ class KVClient:
         self._runner.run(self._aio.connect())
 
     def close(self) -> None:
+        """Close the connections. Where a call cannot wait (see ``_LoopThread.can_wait``), the close is
+        only started, as for a client dropped without one (at shutdown the process's end closes them)."""
         if self._runner.pid != os.getpid():  # a forked child: the connections are the parent's, left alone
+            return
+        if not self._runner.can_wait():
+            _close_abandoned(self._runner, self._aio)
             return
         self._runner.run(self._aio.close())
 

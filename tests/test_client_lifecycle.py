@@ -250,3 +250,84 @@ def test_an_async_client_used_from_another_event_loop_says_so_at_once() -> None:
 
         assert asyncio.run(again()) == [True]
         gc.collect()  # (the first loop's transport: its warning is this test's)
+
+
+def _run_child(script: str, timeout: float = 30) -> str:
+    """Run ``script`` in a fresh interpreter; its output, or a failure if it has not exited by ``timeout``."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        out, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+        pytest.fail(f"the child hung ({timeout} s); its output:\n{out}")
+    assert child.returncode == 0, out
+    return out
+
+
+def test_a_kvclient_closed_by_a_del_at_interpreter_exit_lets_the_process_exit() -> None:
+    """An engine's wrapper that closes its client in ``__del__``, still alive when the script ends:
+    the close ran while the interpreter shut down, waited for the loop thread, which no longer runs,
+    and the process never exited."""
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        out = _run_child(f"""
+from kvstore.client import KVClient
+from kvstore.errors import TransportError
+
+class Connector:
+    def __init__(self):
+        self.kv = KVClient({srv.addr!r}, namespace="exit")
+        self.kv.ping()
+    def __del__(self):
+        self.kv.close()
+        try:
+            self.kv.ping()
+        except TransportError as exc:
+            print("ping:", exc, flush=True)
+        print("closed", flush=True)
+
+connector = Connector()
+""")
+    assert "ping: a KVClient call cannot wait here: the interpreter is shutting down" in out and "closed" in out
+
+
+def test_a_kvclient_closed_on_the_clients_loop_thread_does_not_stop_every_client() -> None:
+    """The cycle collector runs a ``__del__`` on whichever thread allocates at the time, often the
+    clients' loop thread: a close() there waited for that thread itself, and every KVClient of the
+    process hung with it. It now starts the close without waiting; another call raises."""
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        out = _run_child(f"""
+import threading
+from kvstore.client import KVClient
+from kvstore.client.sync import _LoopThread
+from kvstore.errors import TransportError
+
+dropped, other = KVClient({srv.addr!r}, namespace="a"), KVClient({srv.addr!r}, namespace="b")
+dropped.ping()
+done = threading.Event()
+
+def on_loop_thread():  # what a __del__ run there by the garbage collector does
+    try:
+        dropped.ping()
+    except TransportError as exc:
+        print("ping:", exc, flush=True)
+    dropped.close()
+    done.set()
+
+_LoopThread.get().loop.call_soon_threadsafe(on_loop_thread)
+assert done.wait(10), "the loop thread is stuck"
+other.put([b"k" * 16], [b"v" * 100])
+assert other.get([b"k" * 16]) == [bytearray(b"v" * 100)]
+other.close()
+print("ok", flush=True)
+""")
+    assert "ping: a KVClient call cannot wait here: this is the clients' own event-loop thread" in out
+    assert out.rstrip().endswith("ok")
