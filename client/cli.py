@@ -203,7 +203,8 @@ def make_client(args: argparse.Namespace) -> AsyncKVClient:
     try:
         return AsyncKVClient(args.addr, namespace=args.namespace, token=token, tls=tls,
                              pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
-                             server_hostname=args.tls_server_name)
+                             server_hostname=args.tls_server_name,
+                             shm=False)  # (one small request: mapping the whole arena would cost more)
     except InvalidRequest:  # the address (the library checks it)
         raise UsageError(f"--addr must be HOST:PORT or unix:/path/to.sock, not {args.addr!r}") from None
 

@@ -147,7 +147,9 @@ class ShmService:
         self.config = service.config
         self.tier = service.tier
         self.fd = self.store.arena.fd
-        self.path = self.config.unix
+        # Announced in HELLO, to clients that may run in another directory: absolute (it is bound
+        # relative to the server's working directory, which does not change while it runs).
+        self.path = os.path.abspath(self.config.unix) if self.config.unix else None
         self.offered = bool(self.path) and self.config.shm and self.fd is not None
         # Tells a client whether the segment it mapped belongs to the server it talks to
         # (a restarted server has a new arena; a path on another host is another server).
