@@ -110,7 +110,8 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 
 def namespace(cfg: Config) -> str:
     return namespace_for("kvstore-examples/tiny-lm", torch.float32, "2,N,B,H,D", 0,
-                         cfg.gpu_block_size * cfg.block_size_factor, seed=cfg.seed)
+                         cfg.gpu_block_size * cfg.block_size_factor, gpu_block_size=cfg.gpu_block_size,
+                         seed=cfg.seed)
 
 
 class Engine:

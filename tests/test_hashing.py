@@ -208,7 +208,11 @@ def test_namespace_is_readable_and_fingerprints_every_field() -> None:
     seen.add(namespace_for(**base, tp_size=2))
     seen.add(namespace_for(**base, algo="xxh3_128"))
     seen.add(namespace_for(**base, revision="abc"))
-    assert len(seen) == len(variants) + 4
+    # Engines with GPU blocks of 16 and 48 tokens lay a 48-token payload out differently: sharing a
+    # namespace, each failed to load the other's blocks and deleted them.
+    seen.add(namespace_for(**base, gpu_block_size=16))
+    seen.add(namespace_for(**base, gpu_block_size=48))
+    assert len(seen) == len(variants) + 6
     assert all(len(s) <= 80 for s in seen)
 
 

@@ -261,6 +261,7 @@ def namespace_for(
     tp_rank: int,
     block_size: int,
     *,
+    gpu_block_size: int | None = None,
     tp_size: int = 1,
     algo: str = "sha256",
     **extra: object,
@@ -270,8 +271,11 @@ def namespace_for(
     ``"meta-llama/Meta-Llama-3-8B", torch.bfloat16, "NHD", 0, 48`` gives something like
     ``"meta-llama-3-8b/bf16/tp0/b48-1a2b3c4d"``: the readable part is for humans and
     ``redis-cli --scan``; the 8-hex fingerprint covers the full model name, dtype, layout,
-    TP rank and size, block size, hash algorithm and any ``extra`` (model revision,
-    quantization, ...), so two configurations whose payloads differ never share a namespace.
+    TP rank and size, block size, GPU block size, hash algorithm and any ``extra`` (model
+    revision, quantization, ...), so two configurations whose payloads differ never share a
+    namespace -- as long as every one of them is passed: an engine that loads a payload of
+    another layout fails the load and deletes the block (:class:`~kvstore.engine.TransferExecutor`),
+    and two engines sharing a namespace that way delete each other's blocks.
 
     Args:
         model: model name or path.
@@ -279,6 +283,10 @@ def namespace_for(
         kv_layout: any string naming the cache layout (e.g. ``"NHD"`` or a shape).
         tp_rank: tensor-parallel rank whose heads the blocks hold.
         block_size: offloaded block size in tokens.
+        gpu_block_size: the engine's GPU (paged-cache) block size in tokens: a payload holds
+            ``block_size // gpu_block_size`` GPU blocks, laid out by that factor
+            (:class:`~kvstore.engine.PagedKVTransfer`). None leaves it out (the namespaces of
+            earlier releases); give it wherever engines with different GPU block sizes share a store.
         tp_size: tensor-parallel world size.
         algo: the key hash algorithm in use.
         extra: further fields that change the payload; values as :func:`canonical_bytes`.
@@ -286,6 +294,8 @@ def namespace_for(
     dtype_name = str(dtype).removeprefix("torch.")
     dtype_name = _DTYPE_ALIASES.get(dtype_name, dtype_name)
     dtype_short = _DTYPE_SHORT.get(dtype_name, re.sub(r"[^a-z0-9]+", "", dtype_name.lower()))
-    fields = (_NAMESPACE_TAG, model, dtype_name, kv_layout, tp_rank, tp_size, block_size, algo, extra)
+    fields: tuple[object, ...] = (_NAMESPACE_TAG, model, dtype_name, kv_layout, tp_rank, tp_size, block_size, algo, extra)
+    if gpu_block_size is not None:  # (appended: a namespace made without it keeps its name)
+        fields += (("gpu_block_size", gpu_block_size),)
     fingerprint = hashlib.sha256(canonical_bytes(fields)).hexdigest()[:8]
     return f"{_short_model(model)}/{dtype_short}/tp{tp_rank}/b{block_size}-{fingerprint}"
