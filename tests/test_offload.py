@@ -250,6 +250,42 @@ def test_a_preempted_remote_decode_request_stores_everything_again() -> None:
     assert again.first_block == 0 and len(again.keys) == 2  # (was: nothing, the cursor past both)
 
 
+def test_a_resumed_request_stores_again_what_the_store_lost_meanwhile() -> None:
+    """Stored blocks 0-5, preempted; the store evicted 3-5 meanwhile. The resumed request kept its
+    cursor at 6: 3-5 were never stored again, and block 6 went out naming the missing block 5 as
+    its parent -- stored, but out of reach of any prefix lookup."""
+    s = make()
+    s.add_request("r", range(72))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(18), 0)
+    (first,) = s.build_step({"r": 72})
+    s.on_store_done(first.job_id)
+    s.preempt("r")
+    s.append_tokens("r", range(900, 912))  # decoding on completes block 6 later
+    load = s.on_alloc("r", gpu_blocks(21, base=200), s.num_external_tokens("r", 0, hits(3)))
+    assert load is not None and load.keys == tuple(s.keys("r")[:3])
+    s.on_load_done(load.job_id)
+    (again,) = s.build_step({"r": 84})  # 3-5 recomputed, 6 computed
+    assert again.first_block == 3 and again.keys == tuple(s.keys("r")[3:7])
+    assert again.parent == s.keys("r")[2]  # found by the lookup
+
+
+def test_a_failed_store_stops_the_requests_stores_until_it_resumes() -> None:
+    """A store failed (the server full); the next one named a block that store had not stored as
+    its parent: unreachable, and it could take the room of reachable blocks."""
+    s = make()
+    s.add_request("r", range(48))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(12), 0)
+    (first,) = s.build_step({"r": 24})  # chunked prefill: blocks 0-1
+    s.on_store_done(first.job_id, success=False)
+    assert s.build_step({"r": 48}) == []  # (was: blocks 2-3, with block 1 as their parent)
+    s.preempt("r")
+    assert s.on_alloc("r", gpu_blocks(12, base=200), s.num_external_tokens("r", 0, hits(0))) is None
+    (again,) = s.build_step({"r": 48})  # resumed, recomputed: stored from the first block missing
+    assert again.first_block == 0 and len(again.keys) == 4
+
+
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
     s = make()
     s.add_request("r", range(23))

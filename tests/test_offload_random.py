@@ -9,7 +9,8 @@ and aborts before resuming. Checked: a store has the right chain keys and parent
 exactly the true KV, a load leaves it in its blocks; no block comes back while a pending job
 uses it, every block handed out comes back exactly once (``preempt``, ``free_now`` or
 ``on_*_done``); no store during the request's load, no block stored twice (but all again by a
-do_remote_decode request after a preemption); where no store failed, every full computed block
+do_remote_decode request after a preemption, and what its lookup does not find by any other);
+where no store failed, every full computed block
 is stored (do_remote_decode) or stored or loaded (without: and no loaded block stored again);
 each lookup find is loaded or ``take_unused`` once; at the end nothing is pending or tracked.
 200 seeds run in about a second.
@@ -146,6 +147,9 @@ class Sim:
             self.seen["resume refused"] += 1
             return
         r.blocks, r.computed, end = [], hit, (hit + n) // self.obs
+        if r.preempted and not r.remote:  # resumed: what the lookup did not find is stored again
+            r.emitted -= set(range(end, len(r.tokens) // self.obs + 1))
+            r.loaded_end = min(r.loaded_end, end)
         self.alloc(r, -(-(hit + n) // gbs) + rng.randint(0, 1))
         for p in range(hit):  # the GPU prefix cache holds these
             self.gpu[r.blocks[p // gbs]][p % gbs] = r.true_kv()[p]

@@ -109,6 +109,7 @@ class _Request:
     found: tuple[bytes, ...] = ()  # keys the last lookup found that no load has taken yet
     loading: int | None = None  # job id of the in-flight load
     cursor_before_load: int = 0
+    store_failed: bool = False  # a store failed: nothing after it is stored until the request resumes
     finished: bool = False
     busy: Counter[int] = field(default_factory=Counter)  # GPU block -> in-flight jobs using it
     retired: set[int] = field(default_factory=set)  # busy blocks a preemption gave up: freed when idle
@@ -238,6 +239,12 @@ class OffloadScheduler:
         # What these blocks hold once the load is done: a count from before a preemption would
         # name blocks of the new allocation that were never computed.
         req.computed = (gpu_hit or 0) + num_external_tokens
+        if gpu_hit is not None:
+            # Resumed after a preemption: what the lookup did not find is gone from the store (evicted
+            # meanwhile, or its store failed). Stored again from there, so that the blocks after it
+            # hang off a present one -- not stored stranded, out of reach of any prefix lookup.
+            req.next_store = min(req.next_store, req.hit_end)
+            req.store_failed = False
         found, req.found = req.found, ()
         if num_external_tokens == 0:
             self._unuse(found)
@@ -311,7 +318,10 @@ class OffloadScheduler:
         return self._release(job.req_id, job)
 
     def on_store_done(self, job_id: int, success: bool = True) -> tuple[int, ...]:
-        """A store ended. A failed store is not retried (the blocks are missing, not wrong).
+        """A store ended. A failed store is not retried (the blocks are missing, not wrong), and
+        nothing after it is stored for the request until it resumes from a preemption: those blocks
+        would hang off a missing one, out of reach of a prefix lookup, and take the room of
+        reachable blocks.
 
         Returns:
             GPU blocks of finished (or preempted) requests that no transfer uses any more.
@@ -320,6 +330,8 @@ class OffloadScheduler:
             ValueError: no such store is pending (never emitted, or reported already).
         """
         job = self._pop_job(job_id, StoreJob)
+        if not success:
+            self._requests[job.req_id].store_failed = True
         return self._release(job.req_id, job)
 
     def _pop_job(self, job_id: int, kind: type[J]) -> J:
@@ -411,7 +423,7 @@ class OffloadScheduler:
 
     def _store_ready(self, req_id: str, req: _Request) -> StoreJob | None:
         # a loading request stores nothing: its loaded prefix is not in the GPU cache yet
-        if req.finished or req.loading is not None:
+        if req.finished or req.loading is not None or req.store_failed:
             return None
         end = min(req.computed // self.offloaded_block_size, len(req.chain))
         if end <= req.next_store:
