@@ -283,8 +283,12 @@ def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None =
 
 
 def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> str:
-    """One line of ``watch``: gauges now, rates since the previous sample."""
+    """One line of ``watch``: gauges now, rates since the previous sample (none across a restart:
+    the counters start again from 0, and differences with the old ones would be negative)."""
     store = cur.get("store", {})
+    restarted = prev is not None and cur.get("uptime_s", 0) < prev.get("uptime_s", 0)
+    if restarted:
+        prev = None
 
     def rate(get: Callable[[dict[str, Any]], float]) -> float:
         return (get(cur) - get(prev)) / dt if prev is not None and dt > 0 else 0.0
@@ -299,7 +303,8 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> s
     return (f"{time.strftime('%H:%M:%S')}  blocks {store.get('blocks', 0):>8}  "
             f"used {_pct(store.get('used_bytes', 0), store.get('capacity', 0)):>6}  "
             f"req/s {reqs:>8.1f}  in {format_size(rx)}/s  out {format_size(tx)}/s  "
-            f"hit {_pct(hit, hit + miss):>6}  evict/s {ev:>6.1f}  conns {cur.get('connections', 0)}")
+            f"hit {_pct(hit, hit + miss):>6}  evict/s {ev:>6.1f}  conns {cur.get('connections', 0)}"
+            + ("  (server restarted: rates from the next line)" if restarted else ""))
 
 
 # ----------------------------------------------------------------------------- commands

@@ -334,12 +334,15 @@ class MetricsServer:
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[str, str]:
     """Method and path of the request line; the headers are read and ignored."""
-    line = (await reader.readuntil(b"\n")).decode("latin-1")
-    parts = line.split()
+    line = await reader.readuntil(b"\n")  # (the reader's limit bounds one line; this, the whole head)
+    parts = line.decode("latin-1").split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         raise ValueError("not an HTTP request line")
-    while (await reader.readuntil(b"\n")).strip():
-        pass
+    size = len(line)
+    while (line := await reader.readuntil(b"\n")).strip():
+        size += len(line)
+        if size > _MAX_HEAD:
+            raise ValueError(f"request head over {_MAX_HEAD} bytes")
     return parts[0], parts[1]
 
 

@@ -224,7 +224,7 @@ class ShmService:
             return
         st.attached = True
         self.counters["attached"] += 1
-        log.debug("shared arena mapped by %s", session.peer, extra={"event": "shm_attach", "peer": session.peer})
+        log.info("shared arena mapped by %s", session.peer, extra={"event": "shm_attach", "peer": session.peer})
 
     # -- SHM_GET
     def get(self, session: Session, msg: ShmGet) -> ShmGetResult | Awaitable[ShmGetResult]:

@@ -93,6 +93,25 @@ def test_stats_namespaces_ping_watch(server) -> None:
     assert r.returncode == 0 and len(lines) == 3 and all("blocks        2" in line for line in lines)
 
 
+def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> None:
+    """The counters of a restarted server start again from 0: watch subtracted the old ones and
+    printed "req/s -32.9  in -196.1 KiB/s" for the first sample after a restart."""
+    from kvstore.client.cli import watch_line
+    srv = make_server("--capacity", "16MiB")
+    with KVClient(srv.addr, namespace="w") as kv:
+        kv.put([b"a" * 32], [b"x" * 100_000])
+        for _ in range(20):
+            kv.get([b"a" * 32])
+        before = kv.stats()
+    srv.stop()
+    again = make_server("--capacity", "16MiB")
+    with KVClient(again.addr, namespace="w") as kv:
+        after = kv.stats()
+    line = watch_line(before, after, 1.0)
+    assert "server restarted" in line and not re.search(r"req/s +-|in -|out -|evict/s +-", line), line
+    assert "server restarted" not in watch_line(after, after, 1.0)
+
+
 def test_stats_lists_the_largest_namespaces_and_says_how_many(make_server) -> None:
     """A STATS reply listing every namespace outgrew the client's 4 MiB meta limit (16,000 of
     them, long names: `stats` failed); it lists the largest STATS_NAMESPACES and the count."""

@@ -191,6 +191,8 @@ def test_kubernetes_manifests_fit_together() -> None:
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
     assert ctr["resources"]["limits"]["memory"] == ctr["resources"]["requests"]["memory"]
+    # a Service named kvstore injects KVSTORE_PORT=tcp://... and kin, which the server would read as flags
+    assert pod["spec"]["enableServiceLinks"] is False
     assert ctr["securityContext"]["readOnlyRootFilesystem"] and not ctr["securityContext"]["allowPrivilegeEscalation"]
     token_dir = str(Path([e["value"] for e in ctr["env"] if e["name"] == "KVSTORE_TOKEN_FILE"][0]).parent)
     (mount,) = [m for m in ctr["volumeMounts"] if m["mountPath"] == token_dir]

@@ -143,6 +143,13 @@ def test_health_and_routes(make_server, metrics_url) -> None:
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=5) as s:
         s.sendall(b"\x00garbage\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.0 400")
+    # A head is at most 8 KiB in all (operations.md): many short header lines were read without end.
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=5) as s:
+        s.sendall(b"GET /livez HTTP/1.0\r\n" + b"X-Pad: 0123456789abcdef0123456789abcdef\r\n" * 300 + b"\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.0 400")
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=5) as s:
+        s.sendall(b"GET /livez HTTP/1.0\r\n" + b"X-Pad: 0123456789abcdef0123456789abcdef\r\n" * 100 + b"\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.0 200")
 
 
 def test_a_down_redis_tier_is_unhealthy_but_still_ready(make_server, metrics_url) -> None:
@@ -280,3 +287,5 @@ async def test_every_counted_request_is_timed_shm_attach_too(make_server, metric
 
     requests = per_op("kvstore_requests_total")
     assert requests["shm_attach"] >= 1 and per_op("kvstore_request_duration_seconds_count") == requests
+    # and logged at the level every deploy/ file runs (info): a process mapped every namespace's blocks
+    assert any("event=shm_attach" in line for line in srv.log), srv.log
