@@ -189,10 +189,20 @@ class Node:
                 await conn.discard(TransportError(_CLOSED))
                 raise TransportError(_CLOSED)
             self.conns.append(conn)
+            conn.on_lost = self._lost
             self.hello_seen = True  # (after the attach: a call that saw it early would pass the arena by)
             return conn
         finally:
             self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    def _lost(self, conn: ClientConnection) -> None:
+        """A server that closes a connection as it stops says so: let go of its arena. Held until the
+        next call, the old arena stayed allocated beside the one a restarted server pre-faults, twice
+        ``--capacity`` of the host's memory. An operation still copying keeps its own reference; the
+        next connection attaches to whatever the server then is. (Other closes -- an idle timeout --
+        keep the mapping: attaching again populates the page tables of the whole arena.)"""
+        if conn.server_stopping and self.shm is not None:
+            self.shm, self.shm_tried = None, None
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,

@@ -40,6 +40,52 @@ async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_serve
         await kv.close()
 
 
+async def test_an_idle_client_lets_go_of_a_stopped_servers_arena(make_server: MakeServer, unix_path: str) -> None:
+    """A client kept a stopped server's arena mapped until its next call: restarting a server with
+    clients attached took twice --capacity of the host's memory (the old arena lives while a process
+    maps it; the new one is pre-faulted at start). A stopping server now says so as it closes."""
+    gc.collect()  # (other tests' arenas and clients, not yet collected, would go during this one)
+    mapped = arena_mappings()
+    kv = AsyncKVClient(f"unix:{unix_path}", namespace="idle", pool_size=2)
+    try:
+        first = make_server("--capacity", "8MiB", "--unix", unix_path)
+        await asyncio.gather(*(kv.put([key(i, "idle")], [b"x" * (3 << 20)]) for i in range(2)))  # (2 connections)
+        assert kv.nodes[0].shm is not None and len(kv.nodes[0].conns) == 2
+        assert arena_mappings() == mapped + 1
+        first.stop()
+        for _ in range(100):  # no call: the client only hears its connections close
+            if kv.nodes[0].shm is None:
+                break
+            await asyncio.sleep(0.05)
+        assert kv.nodes[0].shm is None
+        gc.collect()
+        assert arena_mappings() == mapped  # unmapped before any new server pre-faults its arena
+        make_server("--capacity", "8MiB", "--unix", unix_path)
+        await kv.put([key(3, "idle")], [b"y" * (3 << 20)])  # the next call attaches the new arena
+        assert kv.nodes[0].shm is not None and arena_mappings() == mapped + 1
+        assert [bytes(b) for b in await kv.get([key(3, "idle")])] == [b"y" * (3 << 20)]
+    finally:
+        await kv.close()
+
+
+async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
+    """Only a server that stops makes the client let go of its arena: after an idle timeout the
+    server is still there, and attaching again would populate the whole mapping anew."""
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="idle") as kv:
+        await kv.put([key(1, "idle")], [b"x" * (3 << 20)])
+        channel = kv.nodes[0].shm
+        assert channel is not None
+        for _ in range(100):
+            if all(c.closed for c in kv.nodes[0].conns):
+                break
+            await asyncio.sleep(0.05)
+        assert all(c.closed for c in kv.nodes[0].conns)  # closed for being idle
+        assert kv.nodes[0].shm is channel
+        await kv.put([key(2, "idle")], [b"y" * (3 << 20)])
+        assert kv.nodes[0].shm is channel
+
+
 @pytest.mark.parametrize("op", ["put", "get_into"])
 async def test_a_shm_call_made_while_its_server_restarts_is_retried(make_server: MakeServer, unix_path: str,
                                                                      op: str) -> None:
