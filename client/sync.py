@@ -133,6 +133,11 @@ class KVClient:
     def namespace(self) -> str:
         return self._aio.namespace
 
+    @property
+    def closed(self) -> bool:
+        """Closed by :meth:`close` (``connect()`` opens it again), as ``AsyncKVClient.closed``."""
+        return self._aio.closed
+
     def __enter__(self) -> KVClient:
         self.connect()
         return self

@@ -175,6 +175,20 @@ async def test_a_closed_client_stays_closed_until_connect() -> None:
         await kv.close()
 
 
+def test_a_blocking_client_says_whether_it_is_closed() -> None:
+    """(``AsyncKVClient.closed`` existed; ``KVClient.closed`` raised AttributeError)"""
+    with ServerProcess("--capacity", "16MiB") as srv:
+        kv = KVClient(srv.addr, namespace="t")
+        assert not kv.closed
+        kv.close()
+        assert kv.closed
+        with pytest.raises(TransportError, match="closed"):
+            kv.exists(make_keys("c", 1))
+        kv.connect()
+        assert not kv.closed and kv.exists(make_keys("c", 1)) == [False]
+        kv.close()
+
+
 def test_a_blocking_client_used_after_fork_raises_in_the_child() -> None:
     with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="t") as kv:
         kv.put(make_keys("f", 1), [b"x"])
