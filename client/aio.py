@@ -302,7 +302,8 @@ class AsyncKVClient:
             too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
             if node.shm is not None and (nbytes >= node.shm.inline_put_bytes or too_large):
-                with contextlib.suppress(ShmGone):  # (restarted without shm: the socket carries it)
+                # (restarted without shm, or its puts waiting for a commit at their limit: the socket carries it)
+                with contextlib.suppress(ShmGone, CapacityError):
                     return await node.shm.put(part_keys, blocks, before)
             if too_large:  # the server would drop the connection on its frame: say so here, for this key only
                 return [(TooLarge.code, f"a block of {nbytes} bytes is over the {node.max_payload} bytes "

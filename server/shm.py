@@ -157,6 +157,9 @@ class ShmService:
         self.sessions: set[ShmSession] = set()
         self.pins = 0  # block pins SHM_GETs hold (granted, or waiting for the tier)
         self.max_pins = max(MIN_PINS, PINS_PER_PAGE * self.store.arena.num_pages)
+        # Keys of SHM_PUTs waiting for their commit, bounded alike: each holds its status and error, a
+        # pin for a key that existed, a reservation, until the commit (or --max-lease-seconds).
+        self.put_keys = 0
         self.counters = {"attached": 0, "refused": 0, "gets": 0, "puts": 0, "commits": 0, "expired": 0,
                          "aborted_on_close": 0, "put_expired": 0, "inline_blocks": 0}
 
@@ -344,6 +347,10 @@ class ShmService:
         tier writes other PUTs still have running for keys it found stored.
         """
         st = self._session(session)
+        if self.put_keys + len(msg.keys) > self.max_pins:
+            raise CapacityError(f"shared-memory puts waiting for their commit hold {self.put_keys} keys; "
+                                f"{len(msg.keys)} more would be over the {self.max_pins} this server allows "
+                                "(put over the socket)")
         put = Put(keys=msg.keys, sizes=msg.sizes, parent=msg.parent)
         sink = self.service.begin_put(session, put)  # (shares the service's pending tier writes)
         page_size = self.store.arena.page_size
@@ -354,6 +361,7 @@ class ShmService:
         self.counters["puts"] += 1
         if any(r is not None for r in sink.reservations):
             grant = _PutGrant(sink, time.monotonic() + self.config.lease_cap())
+            self.put_keys += len(msg.keys)
             return {"handle": st.add(grant), "locs": locs, **sink.fields()}
         done = sink.commit()  # nothing to publish: only waits for pending tier writes of "existed" keys
         if isinstance(done, dict):
@@ -377,6 +385,7 @@ class ShmService:
                            "not committed within --max-lease-seconds: its slots were given back)")
         del st.grants[msg.handle]
         sink = grant.sink
+        self.put_keys -= len(sink.msg.keys)
         if msg.checksums and len(msg.checksums) != len(sink.msg.keys):
             sink.abort()
             raise InvalidRequest(f"{len(msg.checksums)} checksums for {len(sink.msg.keys)} keys")
@@ -404,6 +413,7 @@ class ShmService:
         if isinstance(grant, _GetGrant):
             self._release_refs(grant.refs)
         else:
+            self.put_keys -= len(grant.sink.msg.keys)
             grant.sink.abort()
 
     def _release_refs(self, refs: list[BlockRef]) -> None:
@@ -461,7 +471,8 @@ class ShmService:
 
     def stats(self) -> dict[str, Any]:
         return {"offered": self.offered, "path": self.path if self.offered else None,
-                "open_handles": sum(len(st.grants) for st in self.sessions), "pins": self.pins, **self.counters}
+                "open_handles": sum(len(st.grants) for st in self.sessions), "pins": self.pins,
+                "put_keys": self.put_keys, **self.counters}
 
 
 # --------------------------------------------------------------------------- the socket side

@@ -621,6 +621,39 @@ async def test_shm_read_pins_are_bounded_and_a_client_at_the_bound_reads_over_th
         assert (await kv.stats())["shm"]["gets"] == shm_gets + 1  # the arena again
 
 
+async def test_shm_puts_waiting_for_their_commit_are_bounded_and_a_client_at_the_bound_puts_over_the_socket(
+        make_server: MakeServer, unix_path: str) -> None:
+    """SHM_PUTs never committed kept their whole state (a status and an error string per key, a pin per
+    key that existed) until the connection closed or --max-lease-seconds: one reserved key and 16,383
+    refused ones a request grew the server by ~5.6 MiB each, without bound. Past 64 Ki keys waiting
+    (a small arena), SHM_PUT is refused, and clients put over the socket."""
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--max-block", "2MiB")
+    hog_keys = [[key(j * 16384 + i, "hog") for i in range(16384)] for j in range(5)]
+    sizes = [1] + [4 << 20] * 16383  # one slot reserved, the others over --max-block
+    hog, frames = pipelined(unix_path, [Hello(), *[ShmPut(keys=ks, sizes=sizes) for ks in hog_keys]])
+    async with AsyncKVClient(unix(unix_path), namespace="p") as kv:
+        assert kv.nodes[0].shm is not None
+        try:
+            assert all(reply_fields(f)["handle"] for f in frames[1:5])  # 4 x 16384 keys: at the bound
+            assert error_code(frames[5]) == CapacityError.code
+            assert (await kv.stats())["shm"]["put_keys"] == 4 * 16384
+            k, block = key(1, "p"), data(key(1, "p"), 2 << 20)  # (a put of 2 MiB or more goes through the arena)
+            shm_puts = (await kv.stats())["shm"]["puts"]
+            assert (await kv.put([k], [block])).stored == 1
+            stats = await kv.stats()
+            assert stats["shm"]["puts"] == shm_puts and stats["errors"]["shm_put"] == 2  # refused: the socket
+            assert [bytes(b) for b in await kv.get([k])] == [block]
+        finally:
+            hog.close()
+
+        async def released() -> bool:
+            return (await kv.stats())["shm"]["put_keys"] == 0
+        await eventually(released, 10, "the hog's puts to be aborted with its connection")
+        shm_puts = (await kv.stats())["shm"]["puts"]
+        await kv.put([key(2, "p")], [data(key(2, "p"), 2 << 20)])
+        assert (await kv.stats())["shm"]["commits"] >= 1 and (await kv.stats())["shm"]["puts"] == shm_puts + 1
+
+
 async def test_shm_read_pins_of_blocks_read_through_from_redis_are_bounded_too(
         make_server: MakeServer, unix_path: str, redis_server: RedisProcess) -> None:
     """Pipelined SHM_GETs of a block only Redis has all pass a check of the pins held while their
