@@ -22,9 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
-from kvstore.errors import (
-    InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unavailable, from_code,
-)
+from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
 from kvstore.sockets import tune
 
@@ -82,7 +80,6 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.hello: dict[str, Any] = {}
         self.gone = asyncio.Event()  # set once the transport is closed for good (connection_lost)
         self.on_lost: Callable[[ClientConnection], None] | None = None  # called then, once
-        self.server_stopping = False  # the server said so before closing (protocol.md, "Errors")
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -189,11 +186,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         msg = frame.msg
         if isinstance(msg, ErrorReply) and frame.request_id == 0:
             # the server could not tie the error to a request: it closes the connection
-            exc = from_code(msg.code, msg.message)
-            if isinstance(exc, Unavailable) and self.hello:  # (not a refusal at connect: it stops)
-                self.server_stopping = True
-                exc = TransportError(f"connection closed by server: {msg.message}")  # (retried, as a close)
-            self.abort(exc)
+            self.abort(from_code(msg.code, msg.message))
             return
         p = self.pending.get(frame.request_id)
         if p is None:

@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
-from kvstore.errors import InvalidRequest, RequestTimeout, TransportError
+from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unavailable
 from kvstore.protocol import Message, Ping, Unpin
 
 from .connection import ClientConnection, Response, open_connection
@@ -67,6 +67,7 @@ class Node:
         # (queued connects would add up: a server that never answers would cost each caller every
         # wait before its own).
         self.opening: set[asyncio.Task[ClientConnection]] = set()
+        self.probing: set[asyncio.Task[None]] = set()  # is the server whose arena is mapped still there?
         self._attaching = asyncio.Lock()  # one open_channel at a time: it replaces self.shm
         # What one request may carry: the client's own limits, and the server's once its HELLO says.
         self.max_payload, self.max_batch = client.limits.max_payload, client.limits.max_batch
@@ -196,12 +197,38 @@ class Node:
             self.opening.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     def _lost(self, conn: ClientConnection) -> None:
-        """A server that closes a connection as it stops says so: let go of its arena. Held until the
-        next call, the old arena stayed allocated beside the one a restarted server pre-faults, twice
-        ``--capacity`` of the host's memory. An operation still copying keeps its own reference; the
-        next connection attaches to whatever the server then is. (Other closes -- an idle timeout --
-        keep the mapping: attaching again populates the page tables of the whole arena.)"""
-        if conn.server_stopping and self.shm is not None:
+        """The last connection to the server whose arena is mapped closed: ask whether that server is
+        still there (``_check_arena``). Its arena lives as long as a process maps it, and held until
+        the next call it stood beside the arena a restarted server pre-faults: twice ``--capacity``
+        of the host's memory."""
+        info = conn.hello.get("shm")
+        channel = self.shm
+        if (channel is None or not isinstance(info, dict) or info.get("instance") != channel.segment.instance
+                or self.opening or any(c is not conn and not c.closed for c in self.conns)):
+            return  # (a connection to an older server instance, or others left: nothing to ask yet)
+        task = asyncio.get_running_loop().create_task(self._check_arena(channel))
+        self.probing.add(task)
+        task.add_done_callback(self.probing.discard)
+        task.add_done_callback(_retrieve)
+
+    async def _check_arena(self, channel: ShmChannel) -> None:
+        """Let go of ``channel`` unless a new connection finds the same server instance (an idle
+        timeout, say: attaching again would populate the page tables of the whole arena anew). The
+        probe says HELLO and closes; an operation still copying keeps its own reference."""
+        c = self.client
+        try:
+            probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
+                                          limits=c.limits, timeout=c.connect_timeout,
+                                          server_hostname=c.server_hostname or self.host, unix=self.unix)
+        except Unavailable:
+            return  # (there, at its connection limit or draining: asked again at the next loss)
+        except KVStoreError:
+            instance = None  # stopped (refused, or closed as it drains)
+        else:
+            info = probe.hello.get("shm")
+            instance = info.get("instance") if isinstance(info, dict) else None
+            await probe.aclose()
+        if self.shm is channel and instance != channel.segment.instance:
             self.shm, self.shm_tried = None, None
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
@@ -253,6 +280,8 @@ class Node:
         return exc
 
     async def close(self) -> None:
+        for task in self.probing:
+            task.cancel()
         opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
         at_home, self.home = self._at_home(), None

@@ -51,8 +51,6 @@ _DROPPED = memoryview(bytearray(1 << 16))  # where a lingering connection's inpu
 #: The meta a peer may send before its HELLO's token is checked (HELLO's fits in a few hundred bytes):
 #: decoding 4 MiB of msgpack builds millions of objects, ~0.3 s of the event loop and ~300 MB.
 PRE_AUTH_META = 64 << 10
-#: The last frame of a connection the server closes as it stops (request id 0, ``Unavailable``).
-STOPPING = "the server is stopping"
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -358,10 +356,7 @@ class Connection(asyncio.BufferedProtocol):
             self.idle.clear()
         else:
             self.idle.set()
-            if self.draining and not self.closing:
-                # Said before the close: a same-host client then lets go of the arena at once, not at
-                # its next call (held meanwhile, it doubles the memory of a restart).
-                self._write(error_reply(0, Unavailable.code, STOPPING))
+            if self.draining:
                 self.close()
 
     def close(self) -> None:

@@ -68,6 +68,39 @@ async def test_an_idle_client_lets_go_of_a_stopped_servers_arena(make_server: Ma
         await kv.close()
 
 
+async def test_a_draining_servers_last_connection_leaves_the_new_servers_arena_mapped(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A server restarted on the same path while one connection still drained on the old one: the
+    client attached to the new arena, and the old connection's close must not take it away (a pool
+    of live connections would never attach again: every call over the socket from then on)."""
+    from shm_helpers import shm_locate, shm_release
+
+    old = make_server("--capacity", "8MiB", "--unix", unix_path, "--drain-seconds", "20")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="drain", pool_size=2) as kv:
+        k = key(1, "drain")
+        await kv.put([k], [b"x" * (3 << 20)])
+        conn, fields = await shm_locate(kv, [k])  # pins held: the old server's drain waits for them
+        old.proc.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if not os.path.exists(unix_path):  # (the old server has let go of the path)
+                break
+            await asyncio.sleep(0.05)
+        new = make_server("--capacity", "8MiB", "--unix", unix_path)
+        # (a call would still pick the old server's live connection: the pool opens one, as a call
+        # finding its connections busy would)
+        await kv.nodes[0]._open()  # a new connection: the new arena
+        channel = kv.nodes[0].shm
+        assert channel is not None and channel.segment.instance != conn.hello["shm"]["instance"]
+        await shm_release(conn, fields["handle"])  # the old server's drain ends: it closes that connection
+        assert old.proc.wait(10) == 0
+        await asyncio.sleep(0.5)
+        assert kv.nodes[0].shm is channel
+        puts = (await kv.stats())["shm"]["puts"]
+        await kv.put([key(3, "drain")], [b"z" * (3 << 20)])
+        assert (await kv.stats())["shm"]["puts"] == puts + 1  # still through the new arena
+        del new
+
+
 async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
     """Only a server that stops makes the client let go of its arena: after an idle timeout the
     server is still there, and attaching again would populate the whole mapping anew."""

@@ -213,6 +213,10 @@ def test_namespace_is_readable_and_fingerprints_every_field() -> None:
     seen.add(namespace_for(**base, gpu_block_size=16))
     seen.add(namespace_for(**base, gpu_block_size=48))
     assert len(seen) == len(variants) + 6
+    # (before it was a parameter, a caller could pass it as an extra field: the same namespace)
+    assert namespace_for(**base, gpu_block_size=16) == namespace_for(**base, **{"gpu_block_size": 16})
+    assert namespace_for(**base, revision="abc", gpu_block_size=16) == namespace_for(**base, gpu_block_size=16,
+                                                                                    revision="abc")
     assert all(len(s) <= 80 for s in seen)
 
 

@@ -286,6 +286,19 @@ def test_a_failed_store_stops_the_requests_stores_until_it_resumes() -> None:
     assert again.first_block == 0 and len(again.keys) == 4
 
 
+def test_a_store_from_before_a_preemption_that_fails_later_does_not_stop_the_resumed_requests_stores() -> None:
+    s = make()
+    s.add_request("r", range(24))
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (old,) = s.build_step({"r": 24})
+    s.preempt("r")  # its store still in flight
+    assert s.on_alloc("r", gpu_blocks(6, base=200), s.num_external_tokens("r", 0, hits(0))) is None
+    s.on_store_done(old.job_id, success=False)  # the old store fails now
+    (again,) = s.build_step({"r": 24})  # (was: nothing, ever: the old failure stopped the new run)
+    assert again.first_block == 0 and again.gpu_block_ids == tuple(gpu_blocks(6, base=200))
+
+
 def test_finish_flushes_the_block_completed_by_the_last_known_token() -> None:
     s = make()
     s.add_request("r", range(23))

@@ -285,8 +285,9 @@ def namespace_for(
         block_size: offloaded block size in tokens.
         gpu_block_size: the engine's GPU (paged-cache) block size in tokens: a payload holds
             ``block_size // gpu_block_size`` GPU blocks, laid out by that factor
-            (:class:`~kvstore.engine.PagedKVTransfer`). None leaves it out (the namespaces of
-            earlier releases); give it wherever engines with different GPU block sizes share a store.
+            (:class:`~kvstore.engine.PagedKVTransfer`). An ``extra`` field of that name, as it was
+            passed before it had a parameter of its own; None leaves it out. Give it wherever engines
+            with different GPU block sizes share a store.
         tp_size: tensor-parallel world size.
         algo: the key hash algorithm in use.
         extra: further fields that change the payload; values as :func:`canonical_bytes`.
@@ -294,8 +295,8 @@ def namespace_for(
     dtype_name = str(dtype).removeprefix("torch.")
     dtype_name = _DTYPE_ALIASES.get(dtype_name, dtype_name)
     dtype_short = _DTYPE_SHORT.get(dtype_name, re.sub(r"[^a-z0-9]+", "", dtype_name.lower()))
-    fields: tuple[object, ...] = (_NAMESPACE_TAG, model, dtype_name, kv_layout, tp_rank, tp_size, block_size, algo, extra)
-    if gpu_block_size is not None:  # (appended: a namespace made without it keeps its name)
-        fields += (("gpu_block_size", gpu_block_size),)
+    if gpu_block_size is not None:  # (one of the extra fields, as a caller could pass it before it was named)
+        extra = {**extra, "gpu_block_size": gpu_block_size}
+    fields = (_NAMESPACE_TAG, model, dtype_name, kv_layout, tp_rank, tp_size, block_size, algo, extra)
     fingerprint = hashlib.sha256(canonical_bytes(fields)).hexdigest()[:8]
     return f"{_short_model(model)}/{dtype_short}/tp{tp_rank}/b{block_size}-{fingerprint}"

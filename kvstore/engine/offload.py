@@ -110,6 +110,7 @@ class _Request:
     loading: int | None = None  # job id of the in-flight load
     cursor_before_load: int = 0
     store_failed: bool = False  # a store failed: nothing after it is stored until the request resumes
+    stale: set[int] = field(default_factory=set)  # stores from before a preemption, still running
     finished: bool = False
     busy: Counter[int] = field(default_factory=Counter)  # GPU block -> in-flight jobs using it
     retired: set[int] = field(default_factory=set)  # busy blocks a preemption gave up: freed when idle
@@ -330,8 +331,10 @@ class OffloadScheduler:
             ValueError: no such store is pending (never emitted, or reported already).
         """
         job = self._pop_job(job_id, StoreJob)
-        if not success:
-            self._requests[job.req_id].store_failed = True
+        req = self._requests[job.req_id]
+        if not success and job_id not in req.stale:  # (a store from before a resume: not this run's)
+            req.store_failed = True
+        req.stale.discard(job_id)
         return self._release(job.req_id, job)
 
     def _pop_job(self, job_id: int, kind: type[J]) -> J:
@@ -360,6 +363,7 @@ class OffloadScheduler:
         req = self._live(req_id)
         free_now = tuple(b for b in req.block_ids if not req.busy[b])
         req.retired.update(b for b in req.block_ids if req.busy[b])
+        req.stale.update(j.job_id for j in self._jobs.values() if j.req_id == req_id and isinstance(j, StoreJob))
         req.block_ids, req.computed = [], 0
         if req.remote_decode:
             req.next_store = 0
