@@ -280,8 +280,8 @@ class Node:
         return exc
 
     async def close(self) -> None:
-        for task in self.probing:
-            task.cancel()
+        for probe in self.probing:
+            probe.cancel()
         opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
         at_home, self.home = self._at_home(), None

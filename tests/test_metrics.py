@@ -288,4 +288,4 @@ async def test_every_counted_request_is_timed_shm_attach_too(make_server, metric
     requests = per_op("kvstore_requests_total")
     assert requests["shm_attach"] >= 1 and per_op("kvstore_request_duration_seconds_count") == requests
     # and logged at the level every deploy/ file runs (info): a process mapped every namespace's blocks
-    assert any("event=shm_attach" in line for line in srv.log), srv.log
+    srv.wait_log("event=shm_attach")
