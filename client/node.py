@@ -290,6 +290,7 @@ class Node:
             return
         for conn in conns:  # what a request cut off by this reports (not "closed by server")
             conn.close_reason = conn.close_reason or TransportError(_CLOSED)
+            conn.on_lost = None  # (closed by us: nothing to ask the server)
         closing = asyncio.gather(*(conn.aclose() for conn in conns))
         while opening:  # cut off connects and HELLOs in progress (again while one runs on: wait_for on
             for task in opening:  # Python 3.11 can drop a cancel); each closes its socket as it ends

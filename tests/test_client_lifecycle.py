@@ -117,6 +117,7 @@ async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, u
         assert kv.nodes[0].shm is channel
         await kv.put([key(2, "idle")], [b"y" * (3 << 20)])
         assert kv.nodes[0].shm is channel
+    assert not kv.nodes[0].probing  # its own close asks the server nothing (a probe ran after it did)
 
 
 @pytest.mark.parametrize("op", ["put", "get_into"])
