@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
-from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unavailable
+from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError
 from kvstore.protocol import Message, Ping, Unpin
 
 from .connection import ClientConnection, Response, open_connection
@@ -204,7 +204,7 @@ class Node:
         info = conn.hello.get("shm")
         channel = self.shm
         if (channel is None or not isinstance(info, dict) or info.get("instance") != channel.segment.instance
-                or self.opening or any(c is not conn and not c.closed for c in self.conns)):
+                or any(c is not conn and not c.closed for c in self.conns)):
             return  # (a connection to an older server instance, or others left: nothing to ask yet)
         task = asyncio.get_running_loop().create_task(self._check_arena(channel))
         self.probing.add(task)
@@ -212,24 +212,37 @@ class Node:
         task.add_done_callback(_retrieve)
 
     async def _check_arena(self, channel: ShmChannel) -> None:
-        """Let go of ``channel`` unless a new connection finds the same server instance (an idle
-        timeout, say: attaching again would populate the page tables of the whole arena anew). The
-        probe says HELLO and closes; an operation still copying keeps its own reference."""
+        """Let go of ``channel`` unless the server is still there: gone (nothing listens: a stopping
+        server closes its listeners first) or another instance, it is unmapped; there, or not
+        answering in time (a stall is no proof it is gone), it stays (attaching again would populate
+        the page tables of the whole arena anew). The probe connects, says HELLO and closes."""
         c = self.client
         try:
-            probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token, tls=c.tls,
-                                          limits=c.limits, timeout=c.connect_timeout,
-                                          server_hostname=c.server_hostname or self.host, unix=self.unix)
-        except Unavailable:
-            return  # (there, at its connection limit or draining: asked again at the next loss)
-        except KVStoreError:
-            instance = None  # stopped (refused, or closed as it drains)
+            if self.unix:
+                _, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.unix), c.connect_timeout)
+            else:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), c.connect_timeout)
+            writer.close()
+        except OSError:
+            instance = None  # nothing listens: stopped
+        except asyncio.TimeoutError:
+            return
         else:
-            info = probe.hello.get("shm")
-            instance = info.get("instance") if isinstance(info, dict) else None
-            await probe.aclose()
+            try:
+                probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token,
+                                              tls=c.tls, limits=c.limits, timeout=c.connect_timeout,
+                                              server_hostname=c.server_hostname or self.host, unix=self.unix)
+            except KVStoreError:
+                return  # something listens (a stopping server listens no more): at its limit, or slow
+            else:
+                info = probe.hello.get("shm")
+                instance = info.get("instance") if isinstance(info, dict) else None
+                await probe.aclose()
         if self.shm is channel and instance != channel.segment.instance:
             self.shm, self.shm_tried = None, None
+            # Unmapped now where no copy holds a view (else when the last one ends): a failed call's
+            # traceback keeps the channel in reference cycles that only a full collection breaks.
+            channel.segment.close()
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,

@@ -212,6 +212,8 @@ def _map(fd: int, fields: dict[str, Any]) -> ShmSegment:
         raise ProtocolError("the shared arena is smaller than announced")
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no first-touch faults later
     region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (a worker pool) would keep the arena for its whole life
+        region.madvise(mmap.MADV_DONTFORK)
     return ShmSegment(region, page_size, instance)
 
 

@@ -101,6 +101,65 @@ async def test_a_draining_servers_last_connection_leaves_the_new_servers_arena_m
         del new
 
 
+async def test_a_killed_servers_arena_is_unmapped_without_waiting_for_the_garbage_collector(
+        make_server: MakeServer, unix_path: str) -> None:
+    """The client dropped its reference to a gone server's arena, but a failed call's traceback held
+    the channel in reference cycles: the arena stayed mapped until a full collection."""
+    from kvstore.errors import KVStoreError
+
+    gc.collect()
+    mapped = arena_mappings()
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="kill", retries=0) as kv:
+        k = key(1, "kill")
+        await kv.put([k], [b"x" * (3 << 20)])
+        assert arena_mappings() == mapped + 1
+        srv.proc.kill()
+        srv.proc.wait(10)
+        with pytest.raises(KVStoreError):
+            await kv.get_into([k], [bytearray(3 << 20)])  # (fails: its traceback holds the channel)
+        for _ in range(100):
+            if arena_mappings() == mapped:
+                break
+            await asyncio.sleep(0.05)
+        assert arena_mappings() == mapped and kv.nodes[0].shm is None
+
+
+async def test_a_stalled_server_keeps_its_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
+    """A stall is no proof the server is gone: the probe's HELLO timing out unmapped the arena of a
+    server that came back, and the next call populated it all again."""
+    from kvstore.errors import RequestTimeout
+
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="stall", timeout=1, connect_timeout=1,
+                             pool_size=1) as kv:
+        await kv.put([key(1, "stall")], [b"x" * (3 << 20)])
+        channel = kv.nodes[0].shm
+        assert channel is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout):
+                await kv.exists([key(1, "stall")])  # its connection is discarded: the probe runs
+            await asyncio.sleep(2.5)  # (its HELLO times out after connect_timeout)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert kv.nodes[0].shm is channel
+
+
+def test_a_forked_child_does_not_inherit_the_arena(make_server: MakeServer, unix_path: str) -> None:
+    """A process forked after the attach (a worker pool) kept the arena mapped for its whole life, a
+    restarted server's old arena with it."""
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    with KVClient(f"unix:{unix_path}", namespace="fork", shm=True) as kv:
+        kv.put([key(1, "fork")], [b"x" * (3 << 20)])
+        assert arena_mappings() >= 1
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if arena_mappings() == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
     """Only a server that stops makes the client let go of its arena: after an idle timeout the
     server is still there, and attaching again would populate the whole mapping anew."""
