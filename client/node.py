@@ -42,6 +42,9 @@ def _parse_addr(addr: str) -> tuple[str, int]:
 
 
 _CLOSED = "the client is closed"
+#: How often an idle client whose connections the server closed looks at the socket file of the
+#: server whose arena it maps (Node._watch_socket).
+WATCH_S = 1.0
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -238,7 +241,29 @@ class Node:
                 info = probe.hello.get("shm")
                 instance = info.get("instance") if isinstance(info, dict) else None
                 await probe.aclose()
-        if self.shm is channel and instance != channel.segment.instance:
+        if instance != channel.segment.instance:
+            self._unmap(channel)
+        else:
+            await self._watch_socket(channel)
+
+    async def _watch_socket(self, channel: ShmChannel) -> None:
+        """Still there, but no connection is left to notice when it stops (closed for being idle):
+        watch its socket file instead, which a stopping server removes (and a restarted one binds
+        anew), about once a second, until a connection is open again."""
+        if channel.segment.socket is None:
+            return
+        path, inode = channel.segment.socket
+        while self.shm is channel and not any(not c.closed for c in self.conns):
+            await asyncio.sleep(WATCH_S)
+            try:
+                if os.stat(path).st_ino == inode:
+                    continue
+            except OSError:
+                pass
+            self._unmap(channel)
+
+    def _unmap(self, channel: ShmChannel) -> None:
+        if self.shm is channel:
             self.shm, self.shm_tried = None, None
             # Unmapped now where no copy holds a view (else when the last one ends): a failed call's
             # traceback keeps the channel in reference cycles that only a full collection breaks.

@@ -24,6 +24,7 @@ host -- leaves the client on the socket path, transparently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -76,6 +77,7 @@ class ShmSegment:
         self.size = len(region)
         self.page_size = page_size
         self.instance = instance
+        self.socket: tuple[str, int] | None = None  # the server's socket file (path, inode) when attached
 
     def views(self, loc: Any) -> list[memoryview]:
         """The arena byte ranges ``[[offset, length], ...]`` as views, checked against the mapping.
@@ -132,7 +134,10 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float | Non
         fields = _ask(sock, reader, ShmAttach(), 2, fds, deadline)
         if len(fds) != 1:
             raise ProtocolError(f"SHM_ATTACH reply carried {len(fds)} descriptors, not 1")
-        return _map(fds[0], fields)
+        segment = _map(fds[0], fields)
+        with contextlib.suppress(OSError):  # (a server that stops removes it: Node._watch_socket)
+            segment.socket = (path, os.stat(path).st_ino)
+        return segment
     finally:
         sock.close()
         for fd in fds:

@@ -179,6 +179,30 @@ async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, u
     assert not kv.nodes[0].probing  # its own close asks the server nothing (a probe ran after it did)
 
 
+async def test_a_client_idle_past_the_idle_timeout_still_lets_go_of_a_stopped_servers_arena(
+        make_server: MakeServer, unix_path: str) -> None:
+    """With its connections closed for being idle, a client had none left to lose when the server
+    stopped, and held the arena until its next call (beside the one a restarted server pre-faults)."""
+    gc.collect()
+    mapped = arena_mappings()
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="idle") as kv:
+        await kv.put([key(1, "idle")], [b"x" * (3 << 20)])
+        channel = kv.nodes[0].shm
+        for _ in range(100):
+            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # (the probe: the server is still there)
+        assert kv.nodes[0].shm is channel and arena_mappings() == mapped + 1
+        assert srv.stop() == 0  # no connection of the client's sees it
+        for _ in range(60):
+            if arena_mappings() == mapped:
+                break
+            await asyncio.sleep(0.05)
+        assert arena_mappings() == mapped and kv.nodes[0].shm is None  # (was: until the next call)
+
+
 @pytest.mark.parametrize("op", ["put", "get_into"])
 async def test_a_shm_call_made_while_its_server_restarts_is_retried(make_server: MakeServer, unix_path: str,
                                                                      op: str) -> None:
