@@ -26,6 +26,10 @@ the store owns the blocks, pins and leases. Contract of :class:`EvictionPolicy`:
   to the back of its list, as if just used (it was in use: leased for a load,
   or being read). Otherwise nothing happens; the store calls it whenever a
   block's last pin ends. A set-aside key that is touched is placed at once.
+- ``restore(keys)``: ``keys``, set aside by ``evict`` as protected only for
+  the evictions just made, go back to the front of the lists they left, as
+  they stood (``keys`` in the order ``evict`` passed them over). The store
+  spares a put's own chain this way (:class:`kvstore.store.Keep`).
 - ``len(policy)`` and ``key in policy`` count resident keys (live, stranded
   and set aside).
 
@@ -132,6 +136,10 @@ class _Order(Generic[K]):
         """Link ``key`` (not a member) at the back."""
         self.insert_before(key, _END)
 
+    def push_front(self, key: K) -> None:
+        """Link ``key`` (not a member) at the front: the next victim."""
+        self.insert_before(key, self._next[_END])
+
     def __iter__(self) -> Any:
         key = self._next[_END]
         while key is not _END:
@@ -153,6 +161,10 @@ class _Queue(OrderedDict):  # type: ignore[type-arg]
 
     def append(self, key: Any) -> None:
         self[key] = None
+
+    def push_front(self, key: Any) -> None:
+        self[key] = None
+        self.move_to_end(key, last=False)
 
 
 class EvictionPolicy(ABC, Generic[K]):
@@ -185,6 +197,10 @@ class EvictionPolicy(ABC, Generic[K]):
         """``key`` is no longer protected: a key set aside goes back, as just used."""
 
     @abstractmethod
+    def restore(self, keys: list[K]) -> None:
+        """Put keys ``evict`` just set aside back where they stood, at the front."""
+
+    @abstractmethod
     def __len__(self) -> int:
         """Resident keys (live and stranded)."""
 
@@ -204,6 +220,12 @@ class _ChainPolicy(EvictionPolicy[K]):
         home = self._aside.pop(key, None)
         if home is not None:
             home.append(key)
+
+    def restore(self, keys: list[K]) -> None:
+        for key in reversed(keys):  # the first passed over ends up in front
+            home = self._aside.pop(key, None)
+            if home is not None:
+                home.push_front(key)
 
     def __len__(self) -> int:
         return self._resident() + len(self._aside)

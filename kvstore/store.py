@@ -11,7 +11,8 @@ namespaces never meet, even under equal key bytes):
   (dedup; the caller discards the payload). It evicts unpinned blocks as
   needed; when even evicting every evictable block would not make room it
   raises :class:`CapacityError` and evicts nothing. A reservation is invisible
-  to every read until ``commit``, and is never evicted.
+  to every read until ``commit``, and is never evicted. ``keep`` names the
+  stored chain the put continues (:class:`Keep`), which it does not evict.
 - ``commit(res, parent)`` publishes the block, or returns ``False`` (pages
   freed) when another reservation committed the same key first. ``parent`` is
   the key before it in its chain: the parent->children links let eviction
@@ -43,7 +44,7 @@ import time
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter, itemgetter
-from typing import Any, TypedDict, cast
+from typing import Any, NoReturn, TypedDict, cast
 
 from .arena import Arena, Extent
 from .config import format_size
@@ -90,7 +91,7 @@ class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
     __slots__ = ("checksum", "children", "dead", "extent", "leases", "pages", "parent", "pkey", "refs", "size",
-                 "stranded")
+                 "stranded", "walk")
 
     def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent, pages: int) -> None:
         self.pkey = pkey
@@ -104,6 +105,7 @@ class _Block:
         self.leases: list[float] | None = None  # deadlines, soonest first
         self.stranded = False
         self.dead = False  # out of the index, pages kept for readers
+        self.walk = 0  # the last BlockStore.keep walk that passed it
 
     @property
     def pinned(self) -> bool:
@@ -134,9 +136,33 @@ class _Block:
 
 # Field getters for the C loops over a batch's blocks.
 _PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter("stranded")
+_NO_KEYS: frozenset[BlockKey] = frozenset()
 _SECOND = itemgetter(1)
 
 _LEASE_HEAP_MIN = 4096  # keys named by lease deadlines before the first sweep of stale ones
+
+
+class Keep:
+    """The stored chain a put continues (:meth:`BlockStore.keep`): its parent and the parent's predecessors.
+
+    Making room for the put's blocks must not evict them: that would strand the
+    new blocks (out of a prefix lookup's reach) as they are committed. A chain
+    longer than the capacity then keeps its head and refuses its tail, instead
+    of evicting its own last block for each new one.
+    """
+
+    __slots__ = ("ns", "pkeys", "_blocks", "_pages")
+
+    def __init__(self, ns: str, blocks: list[_Block], pkeys: list[BlockKey]) -> None:
+        self.ns, self._blocks = ns, blocks
+        self.pkeys = frozenset(pkeys)
+        self._pages: int | None = None
+
+    def pages(self) -> int:
+        """Pages of the chain eviction could take but for the keep (counted on first need)."""
+        if self._pages is None:
+            self._pages = sum(b.pages for b in self._blocks if not (b.pinned or b.dead))
+        return self._pages
 
 
 class Reservation:
@@ -252,6 +278,7 @@ class BlockStore:
         self._ns_bytes: dict[str, int] = {}
         self._lease_heap: list[tuple[float, int, str, list[bytes]]] = []  # (deadline, seq, ns, keys)
         self._lease_seq = itertools.count()
+        self._walks = itertools.count(1)  # BlockStore.keep's walks, to stop at a loop
         self._lease_heap_keys = 0  # keys the heap's entries name
         self._lease_heap_limit = _LEASE_HEAP_MIN
         # Accounting over indexed blocks (dead blocks kept for readers are not counted).
@@ -277,12 +304,45 @@ class BlockStore:
 
     # -- write path -------------------------------------------------------------
 
-    def reserve(self, ns: str, key: bytes, size: int, checksum: int = 0) -> Reservation | None:
+    def keep(self, ns: str, parent: bytes) -> Keep:
+        """The chain a put batch continues from ``parent``, touched as one read of it.
+
+        A chain extended is in use: without the touch, a chain stored long ago and
+        extended now would stand at the front of the eviction order with its new
+        blocks in front of it, and the next put of another chain would evict them.
+        Pass the result to each of the batch's :meth:`reserve` calls. Walks the
+        chain once (O(its length)); an absent or stranded ``parent`` keeps nothing.
+
+        Raises:
+            InvalidRequest: bad namespace or ``parent``.
+        """
+        _check_ns(ns)
+        check_key(parent)
+        ns_blocks = self._blocks.get(ns, {})
+        chain: list[_Block] = []
+        block = ns_blocks.get(parent)
+        if block is not None and not block.stranded:
+            get, add, walk = ns_blocks.get, chain.append, next(self._walks)
+            while block.walk != walk:  # (links a lookup made can close a loop: a put of [b, a], a lookup of [a, b])
+                block.walk = walk
+                add(block)
+                up = block.parent
+                if up is None or (block := get(up)) is None:
+                    break
+        chain.reverse()  # head first, as a read goes
+        pkeys = list(map(_PKEY, chain))
+        if pkeys:
+            self._policy.touch(pkeys)
+        return Keep(ns, chain, pkeys)
+
+    def reserve(self, ns: str, key: bytes, size: int, checksum: int = 0, *,
+                keep: Keep | None = None) -> Reservation | None:
         """Set pages aside for a block about to be received.
 
         A key already stored counts as read: a batch that restates a stored
         prefix (a whole prompt) takes the room for its new blocks from other
-        chains, not from that prefix.
+        chains, not from that prefix. ``keep`` (:meth:`keep`): the chain the block
+        continues, which is not evicted for it either.
 
         Returns:
             The reservation, or ``None`` when ``(ns, key)`` is already stored.
@@ -291,7 +351,7 @@ class BlockStore:
             InvalidRequest: bad namespace, key or size.
             TooLarge: ``size`` is over the capacity or ``max_block_size``.
             CapacityError: no room even after evicting every unpinned block
-                (nothing is evicted then).
+                outside ``keep`` (nothing is evicted then).
         """
         _check_ns(ns)
         check_key(key)
@@ -304,7 +364,7 @@ class BlockStore:
                 self._policy.touch([block.pkey], self._parent_hint(ns_blocks, block))
             return None
         pages = self._pages(size)
-        self._make_room(pages)
+        self._make_room(pages, keep if keep is not None and keep.ns == ns else None)
         extent = self._arena.alloc(max(size, 1))
         if extent is None:  # _make_room guarantees the pages
             raise RuntimeError("arena accounting out of step with the store")
@@ -689,30 +749,54 @@ class BlockStore:
         res._open = False
         self._reserved_pages -= res.pages
 
-    def _make_room(self, pages: int) -> None:
+    def _make_room(self, pages: int, keep: Keep | None = None) -> None:
         """Evict until ``pages`` are free, or raise CapacityError having evicted nothing."""
         arena = self._arena
         if arena.free_pages >= pages:
             return
         self.expire_leases()  # expired leases pin nothing
-        evictable = self._index_pages - self._pinned_pages
+        kept = _NO_KEYS if keep is None else keep.pkeys
+        kept_pages = 0 if keep is None else keep.pages()
+        evictable = self._index_pages - self._pinned_pages - kept_pages
         if arena.free_pages + evictable < pages:
-            def size(n: int) -> str:  # pages, in bytes as --capacity is given
-                return format_size(n * arena.page_size)
+            self._no_room(pages, evictable, kept_pages)
+        spared: list[BlockKey] = []
 
-            raise CapacityError(
-                f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
-                f"{size(evictable)} evictable, {size(self._pinned_pages)} pinned (leases, reads), "
-                f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
-            )
-        while arena.free_pages < pages:
-            pkey = self._policy.evict(self._is_protected)
-            if pkey is None:
-                raise RuntimeError("eviction policy out of step with the store's pin accounting")
-            block = self._blocks[pkey[0]][pkey[1]]
-            self._drop(block)
-            self._events["evictions"] += 1
-            self._events["evicted_bytes"] += block.size
+        def kept_or_pinned(pkey: BlockKey) -> bool:
+            if self._is_protected(pkey):
+                return True
+            if pkey in kept:
+                spared.append(pkey)  # set aside by the policy: back in place below
+                return True
+            return False
+
+        try:
+            while arena.free_pages < pages:
+                pkey = self._policy.evict(kept_or_pinned if kept else self._is_protected)
+                if pkey is None:
+                    if kept:  # pins changed since the chain was walked (for an earlier block of the batch)
+                        self._no_room(pages, 0, kept_pages)
+                    raise RuntimeError("eviction policy out of step with the store's pin accounting")
+                block = self._blocks[pkey[0]][pkey[1]]
+                self._drop(block)
+                self._events["evictions"] += 1
+                self._events["evicted_bytes"] += block.size
+        finally:
+            if spared:
+                self._policy.restore(spared)
+
+    def _no_room(self, pages: int, evictable: int, kept: int) -> NoReturn:
+        arena = self._arena
+
+        def size(n: int) -> str:  # pages, in bytes as --capacity is given
+            return format_size(n * arena.page_size)
+
+        raise CapacityError(
+            f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
+            f"{size(evictable)} evictable, {size(self._pinned_pages)} pinned (leases, reads), "
+            f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
+            + (f", {size(kept)} the stored chain this block continues" if kept else "")
+        )
 
     def _is_protected(self, pkey: BlockKey) -> bool:
         block = self._blocks[pkey[0]][pkey[1]]

@@ -111,6 +111,7 @@ class PutSink:
         self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
         self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
+        self.keep = None if msg.parent is None else store.keep(ns, msg.parent)  # the chain the batch continues
 
     def target(self, i: int) -> list[memoryview] | None:
         if not self.sizes[i]:
@@ -130,7 +131,7 @@ class PutSink:
             if refusal is not None:  # (a key in memory too: it may not be in Redis, see commit)
                 self.store.check_size(self.sizes[i])  # (a block that can never be stored says so first)
                 raise refusal  # (reserving would evict blocks of memory for a block then dropped)
-            res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum)
+            res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum, keep=self.keep)
         except (CapacityError, TooLarge, InvalidRequest, Unavailable) as exc:
             self.status[i] = exc.code
             self.errors[i] = str(exc)

@@ -352,6 +352,34 @@ async def test_a_read_in_flight_from_a_replaced_server_copies_out_of_its_arena(
         assert arena_mappings() == mapped + 1  # the old arena went with the last read holding it
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_put_continuing_a_chain_never_evicts_that_chain(make_server: MakeServer, unix_path: str,
+                                                                  transport: str, policy: str) -> None:
+    """An engine stores a request's blocks step by step (each PUT names the last block as parent) in
+    a full store: the room comes from other chains; once the chain alone fills the store, its next
+    blocks are refused, not stored by evicting the block they hang off (out of every lookup's reach)."""
+    srv = make_server("--capacity", "256KiB", "--page-size", "64KiB", "--eviction", policy, "--unix", unix_path)
+    a = [key(i, "long") for i in range(6)]
+    x, y = key(0, "other"), key(1, "other")
+    addr = srv.addr if transport == "tcp" else unix(unix_path)
+    async with AsyncKVClient(addr, namespace="chain", pool_size=1) as kv:
+        assert (kv.nodes[0].shm is not None) == (transport == "shm")
+        await kv.put(a[:2], [data(k, 1000) for k in a[:2]])
+        await kv.put([x, y], [data(x, 1000), data(y, 1000)])  # full; the long chain is the older one
+        for i in (2, 3):  # -> evict y, then x
+            assert (await kv.put([a[i]], [data(a[i], 1000)], parent=a[i - 1])).stored == 1
+        assert await kv.lookup(a) == 4 and await kv.exists([x, y]) == [False, False]
+        with pytest.raises(CapacityError, match="the stored chain this block continues") as info:
+            await kv.put(a[4:], [data(k, 1000) for k in a[4:]], parent=a[3])
+        assert info.value.result.statuses == ["failed", "failed"]
+        assert await kv.lookup(a) == 4
+        assert [bytes(b) for b in await kv.get(a[:4])] == [data(k, 1000) for k in a[:4]]
+        stats = await kv.stats()
+    assert stats["store"]["stranded_blocks"] == 0 and stats["store"]["evictions"] == 2
+    assert stats["shm"]["puts"] == (5 if transport == "shm" else 0)
+
+
 # ---------------------------------------------------------------- a client killed mid-put
 
 _KILLED_WRITER = textwrap.dedent("""

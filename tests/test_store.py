@@ -51,11 +51,14 @@ def data(name: object, size: int = PS) -> bytes:
     return bytes((seed + i) % 256 for i in range(size))
 
 
-def put_batch(store: BlockStore, names: Sequence[object], ns: str = NS, size: int = PS) -> list[bool]:
-    """What the server does for one PUT: reserve, receive, commit with the previous key as parent."""
+def put_batch(store: BlockStore, names: Sequence[object], ns: str = NS, size: int = PS,
+              after: object | None = None) -> list[bool]:
+    """What the server does for one PUT: reserve, receive, commit with the previous key as parent
+    (``after``, the PUT's parent, for the first: the chain it continues is kept)."""
+    keep = None if after is None else store.keep(ns, k(after))
     out = []
     for i, name in enumerate(names):
-        res = store.reserve(ns, k(name), size, checksum=i)
+        res = store.reserve(ns, k(name), size, checksum=i, keep=keep)
         if res is None:
             out.append(False)
             continue
@@ -64,7 +67,7 @@ def put_batch(store: BlockStore, names: Sequence[object], ns: str = NS, size: in
         for view in res.views:
             view[:] = payload[offset : offset + len(view)]
             offset += len(view)
-        out.append(store.commit(res, parent=k(names[i - 1]) if i else None))
+        out.append(store.commit(res, parent=k(names[i - 1]) if i else None if after is None else k(after)))
     return out
 
 
@@ -700,6 +703,57 @@ def test_delete_while_acquired_keeps_pages_until_release(policy: str) -> None:
     assert put_batch(store, [3]) == [True] and store.stats()["evictions"] == 0
 
 
+def test_a_put_continuing_a_chain_takes_its_room_from_other_chains(policy: str) -> None:
+    """An engine stores a request's blocks step by step; meanwhile other requests stored theirs. The
+    chain extended is in use: its blocks stay, the room comes from the others."""
+    store = make(policy, 6)
+    put_batch(store, ["a0", "a1", "a2"])
+    put_batch(store, ["b0", "b1", "b2"])  # full: a is the older chain, its tail a2 the next victim
+    put_batch(store, ["a3"], after="a2")  # -> evicts [b2], not a2 (which would strand a3)
+    assert store.lookup(NS, [k(f"a{i}") for i in range(4)]) == 4
+    assert present(store, ["b0", "b1", "b2"]) == ["b0", "b1"]
+    assert store.stats()["stranded_blocks"] == 0
+    put_batch(store, ["a4"], after="a3")  # -> evicts [b1]
+    put_batch(store, ["c0"])  # -> evicts [b0]: b is the chain least recently used now
+    assert store.lookup(NS, [k(f"a{i}") for i in range(5)]) == 5
+    assert present(store, ["b0", "c0"]) == ["c0"]
+
+
+def test_a_chain_longer_than_the_store_keeps_its_head_and_refuses_its_tail(policy: str) -> None:
+    """Evicting the chain's own last block for each new one would leave every new block out of reach."""
+    store = make(policy, 6)
+    put_batch(store, [0, 1, 2])
+    for i in range(3, 6):
+        put_batch(store, [i], after=i - 1)
+    with pytest.raises(CapacityError, match="1.0KiB the stored chain this block continues|the stored chain"):
+        put_batch(store, [6], after=5)
+    with pytest.raises(CapacityError):
+        put_batch(store, [6, 7], after=5)
+    assert store.lookup(NS, [k(i) for i in range(8)]) == 6
+    assert store.stats()["evictions"] == 0
+    put_batch(store, ["x"])  # another chain: the long one's tail goes first, as before the refusals
+    assert present(store, list(range(6))) == [0, 1, 2, 3, 4]
+    assert store.stats()["stranded_blocks"] == 0
+
+
+def test_a_put_continuing_a_missing_or_stranded_block_keeps_nothing(policy: str) -> None:
+    store = make(policy, 4)
+    put_batch(store, ["a0", "a1"])
+    assert store.keep(NS, k("a1")).pkeys == {(NS, k("a0")), (NS, k("a1"))}
+    assert not store.keep(NS, k("gone")).pkeys
+    store.delete(NS, [k("a0")])  # a1 stranded: nothing a lookup reaches to keep
+    assert not store.keep(NS, k("a1")).pkeys
+    with pytest.raises(InvalidRequest):
+        store.keep(NS, b"")
+
+
+def test_keep_stops_at_a_loop_of_links(policy: str) -> None:
+    store = make(policy, 4)
+    put_batch(store, ["b", "a"])  # a's parent is b ...
+    assert store.lookup(NS, [k("a"), k("b")]) == 2  # ... and this lookup made b's parent a
+    assert store.keep(NS, k("a")).pkeys == {(NS, k("a")), (NS, k("b"))}
+
+
 # -- capacity -------------------------------------------------------------------
 
 
@@ -772,11 +826,15 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int, sweep_at: in
         op = rng.random()
         start = rng.randrange(len(pool))
         chain = pool[start : start + rng.randint(1, 4)]
-        if op < 0.35:  # a PUT batch, as the server runs it
+        if op < 0.35:  # a PUT batch, as the server runs it; half of them continue a stored chain
+            parent = pool[start - 1] if start and rng.random() < 0.5 else None
+            keep = None if parent is None else store.keep(ns, parent)
+            kept = [] if keep is None else [key for ns_, key in keep.pkeys]
+            assert all(store.exists(ns, kept))
             for i, key in enumerate(chain):
                 size = rng.choice([0, 10, PS, 2 * PS + 3, 5 * PS])
                 try:
-                    res = store.reserve(ns, key, size)
+                    res = store.reserve(ns, key, size, keep=keep)
                 except CapacityError:
                     break
                 if res is None:
@@ -790,8 +848,9 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int, sweep_at: in
                 if rng.random() < 0.05:
                     store.abort(res)
                     continue
-                assert store.commit(res, parent=chain[i - 1] if i else None)
+                assert store.commit(res, parent=chain[i - 1] if i else parent)
                 contents[ns, key] = (payload, generation)
+            assert all(store.exists(ns, kept))  # the batch evicted nothing of the chain it continues
         elif op < 0.55:
             pin = rng.random() < 0.5
             m = store.lookup(ns, chain, pin=pin)
