@@ -54,6 +54,11 @@ def checksums(blocks: Sequence[memoryview]) -> list[int]:
     return run_parallel([partial(xxhash.xxh3_64_intdigest, b) for b in blocks], sum(map(len, blocks)))
 
 
+#: A client holds connections (and the blocking one a thread): a copy in another process could use none of them.
+_NOT_PICKLED = ("a kvstore client ({}) cannot be pickled or copied: create one in each process that uses it "
+                "(it connects on its first call)")
+
+
 @dataclass(frozen=True)
 class PutResult:
     """Outcome of a put: counts, and per key ``"stored"``, ``"existed"`` or ``"failed"``."""
@@ -140,6 +145,8 @@ class AsyncKVClient:
             raise InvalidRequest(f"limits must be a kvstore.protocol.Limits, got {limits!r}")
         if shm not in (None, True, False):
             raise InvalidRequest(f"shm must be None, True or False, got {shm!r}")
+        if verify not in (True, False):  # ("no" would be true)
+            raise InvalidRequest(f"verify must be True or False, got {verify!r}")
         workers.check_setting()
         self.verify = verify
         self.limits = limits
@@ -151,6 +158,9 @@ class AsyncKVClient:
         self.closed = False  # by close(), until connect()
         self._background: set[asyncio.Future[None]] = set()  # leases given back after a failed lookup
         self.ring = Ring([n.addr for n in self.nodes])
+
+    def __reduce__(self) -> Any:
+        raise TypeError(_NOT_PICKLED.format(type(self).__name__))
 
     async def __aenter__(self) -> AsyncKVClient:
         await self.connect()

@@ -449,13 +449,20 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
 
 
 async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+    """A server that cannot be reached for a sample (restarting, say) gets a line saying so, and
+    watch goes on; one that cannot be reached at the start is an error, as for every command."""
     prev: dict[str, Any] | None = None
     t_prev = time.monotonic()
     n = 0
     while True:
-        cur, now = await kv.stats(), time.monotonic()
-        print(watch_line(prev, cur, now - t_prev), file=out, flush=True)
-        prev, t_prev, n = cur, now, n + 1
+        try:
+            cur, now = await kv.stats(), time.monotonic()
+        except TransportError as exc:
+            print(f"{time.strftime('%H:%M:%S')}  unreachable: {exc}", file=out, flush=True)
+            prev, n = None, n + 1
+        else:
+            print(watch_line(prev, cur, now - t_prev), file=out, flush=True)
+            prev, t_prev, n = cur, now, n + 1
         if args.count and n >= args.count:
             return 0
         await asyncio.sleep(max(0.05, args.interval))

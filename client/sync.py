@@ -18,7 +18,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 from kvstore.errors import TransportError
 
-from .aio import AsyncKVClient, PutResult
+from .aio import _NOT_PICKLED, AsyncKVClient, PutResult
 
 T = TypeVar("T")
 
@@ -128,6 +128,9 @@ class KVClient:
         # Dropped without close(): its connections live on in the shared loop thread (fds, and slots of
         # the server's --max-connections) unless closed then.
         weakref.finalize(self, _close_abandoned, self._runner, self._aio).atexit = False
+
+    def __reduce__(self) -> Any:
+        raise TypeError(_NOT_PICKLED.format(type(self).__name__))
 
     @property
     def namespace(self) -> str:

@@ -112,6 +112,32 @@ def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> N
     assert "server restarted" not in watch_line(after, after, 1.0)
 
 
+def test_watch_goes_on_through_a_server_restart(make_server) -> None:
+    """An operator watching a server through its restart: watch exited at the first sample the
+    stopped server did not answer (its client makes no retries)."""
+    srv = make_server("--capacity", "16MiB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    seen: list[str] = []
+    with subprocess.Popen([str(CLI), "--addr", srv.addr, "watch", "-i", "0.1", "-c", "300"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as watch:
+        assert watch.stdout is not None
+
+        def until(word: str) -> None:
+            while not seen or word not in seen[-1]:
+                line = watch.stdout.readline()  # (a line every 0.1 s, and -c bounds them)
+                assert line, (seen, watch.stderr.read() if watch.stderr else "")
+                seen.append(line)
+
+        until("blocks")
+        srv.stop()
+        until("unreachable")
+        make_server("--capacity", "16MiB", "--port", str(srv.port))
+        until("blocks")
+        assert watch.poll() is None  # still watching
+        watch.kill()
+    assert not any(re.search(r"req/s +-|in -|out -|evict/s +-", line) for line in seen), seen
+
+
 def test_stats_lists_the_largest_namespaces_and_says_how_many(make_server) -> None:
     """A STATS reply listing every namespace outgrew the client's 4 MiB meta limit (16,000 of
     them, long names: `stats` failed); it lists the largest STATS_NAMESPACES and the count."""

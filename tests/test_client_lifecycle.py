@@ -5,10 +5,13 @@ call interrupted (Ctrl-C) that must have ended when the interrupt is raised."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import os
+import pickle
 import signal
 import time
+from typing import Any, Callable
 
 import pytest
 
@@ -288,9 +291,21 @@ def test_arguments_of_the_wrong_kind_raise_invalid_request(make_server: MakeServ
         assert all(kv.ping() > 0 for _ in range(5))
     for addr, settings in ((None, {}), (srv.addr, {"pool_size": "2"}), (srv.addr, {"timeout": -1}),
                            (srv.addr, {"timeout": 0}), (srv.addr, {"connect_timeout": float("nan")}),
-                           (srv.addr, {"retries": -1}), (srv.addr, {"tls": 5})):
+                           (srv.addr, {"retries": -1}), (srv.addr, {"tls": 5}), (srv.addr, {"verify": "no"})):
         with pytest.raises(InvalidRequest):
             KVClient(addr, **settings)
+
+
+@pytest.mark.parametrize("copy_it", [pickle.dumps, copy.copy, copy.deepcopy], ids=["pickle", "copy", "deepcopy"])
+def test_a_client_is_not_pickled_or_copied_but_says_where_to_make_one(copy_it: Callable[[Any], Any]) -> None:
+    """Handing a client to a worker process (multiprocessing pickles it) failed with uvloop's
+    "no default __reduce__ due to non-trivial __cinit__"; an AsyncKVClient pickled, unusable."""
+    blocking = KVClient("127.0.0.1:1")  # (neither connects before its first call)
+    for client in (blocking, AsyncKVClient("127.0.0.1:1")):
+        with pytest.raises(TypeError, match=rf"client \({type(client).__name__}\) cannot be pickled or copied: "
+                                            "create one in each process that uses it"):
+            copy_it(client)
+    blocking.close()
 
 
 def test_an_interrupted_blocking_call_has_ended_when_it_raises() -> None:
