@@ -525,7 +525,8 @@ async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     the server announced -- it works only on the server's host, and the arena
     instance must match the one this connection talks to). One attempt per
     server instance: a refusal is not retried on every new connection -- except a server at its
-    connection limit (``Unavailable``), asked again by the next new connection.
+    connection limit (``Unavailable``) or one that did not answer in time or closed early
+    (``TransportError``: loaded, say), asked again by the next new connection.
     """
     info = conn.hello.get("shm")
     if not isinstance(info, dict):
@@ -549,7 +550,7 @@ async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     try:
         segment = await asyncio.to_thread(attach, path, namespace=c.namespace, token=c.token,
                                           timeout=c.connect_timeout)
-    except Unavailable as exc:  # at its connection limit (or draining): the next new connection asks again
+    except (Unavailable, TransportError) as exc:  # at its connection limit, draining, loaded: asked again later
         node.shm_tried = None
         log.info("shared memory not used with %s for now (%s); using the socket", node.addr, exc)
         return None

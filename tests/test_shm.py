@@ -21,7 +21,7 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import CapacityError, InvalidRequest, NotFound, RequestTimeout, Unauthorized
+from kvstore.errors import CapacityError, InvalidRequest, NotFound, RequestTimeout, TransportError, Unauthorized
 from kvstore.config import ServerConfig
 from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
@@ -774,6 +774,32 @@ async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_lat
     finally:
         for s in others:
             s.close()
+
+
+async def test_an_attach_that_timed_out_is_asked_again_by_a_later_connection(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attach that got no answer within the connect timeout (a loaded server; here the attach
+    fails so, once, by a stand-in) turned shared memory off for that server instance for good."""
+    import kvstore.client.shm as client_shm
+
+    make_server("--capacity", "16MiB", "--unix", unix_path)
+    real, calls = client_shm.attach, []
+
+    def attach_timing_out_once(*args: Any, **kw: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise TransportError(client_shm._TIMED_OUT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(client_shm, "attach", attach_timing_out_once)
+    k = [key(1, "slow")]
+    async with AsyncKVClient(unix(unix_path), namespace="slow", pool_size=2) as kv:
+        assert kv.nodes[0].shm is None
+        await kv.put(k, [b"x" * 4096])
+        bufs = [[bytearray(4096)] for _ in range(8)]
+        await asyncio.gather(*(kv.get_into(k, b) for b in bufs))  # the pool opens its second connection
+        assert len(calls) == 2 and kv.nodes[0].shm is not None
+        assert all(b == [b"x" * 4096] for b in bufs)
 
 
 def test_an_attach_refused_at_the_limit_is_unavailable_even_when_its_hello_cannot_be_sent(
