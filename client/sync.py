@@ -48,6 +48,11 @@ class _LoopThread:
         return threading.current_thread() is not self.thread and not sys.is_finalizing()
 
     @classmethod
+    def _after_fork(cls) -> None:
+        """A child forked while another thread held the lock would wait on it for good."""
+        cls._lock = threading.Lock()
+
+    @classmethod
     def get(cls) -> _LoopThread:
         with cls._lock:
             if cls._instance is None or cls._instance.pid != os.getpid():  # a forked child needs its own
@@ -73,6 +78,9 @@ class _LoopThread:
             if not call.ended.is_set():  # (else the call had ended: its own exception, nothing in flight)
                 call.wait_out(self.loop)
             raise
+
+
+os.register_at_fork(after_in_child=_LoopThread._after_fork)
 
 
 class _Call:

@@ -401,6 +401,27 @@ def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working()
         assert kv.get([key(1, "fork")]) == [bytearray(b"P" * 4096)]
 
 
+def test_a_child_forked_while_another_thread_makes_a_kvclient_can_make_its_own() -> None:
+    """The child of a fork taken while another thread held the lock that guards the clients' loop
+    thread (making the first KVClient) found it held for good: its first KVClient hung."""
+    from kvstore.client.sync import _LoopThread
+    from kvstore.server.process import ServerProcess
+
+    with ServerProcess("--capacity", "16MiB") as srv:
+        with _LoopThread._lock:  # (as another thread would, for the moment it starts the loop thread)
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)  # (hung: killed, and the parent sees it)
+                code = 3
+                try:
+                    with KVClient(srv.addr, namespace="fork", pool_size=1) as kv:
+                        code = 0 if kv.ping() > 0 else 1
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 # (the first asyncio.run closes its loop with the client's connection open: asyncio warns of it when
 # the forgotten transport is collected, as it should)
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
