@@ -26,10 +26,12 @@ the store owns the blocks, pins and leases. Contract of :class:`EvictionPolicy`:
   to the back of its list, as if just used (it was in use: leased for a load,
   or being read). Otherwise nothing happens; the store calls it whenever a
   block's last pin ends. A set-aside key that is touched is placed at once.
-- ``restore(keys)``: ``keys``, set aside by ``evict`` as protected only for
-  the evictions just made, go back to the front of the lists they left, as
-  they stood (``keys`` in the order ``evict`` passed them over). The store
-  spares a put's own chain this way (:class:`kvstore.store.Keep`).
+- ``restore(keys, before=None)``: ``keys``, set aside by ``evict`` as
+  protected only for the evictions just made (in the order it passed them
+  over), go back as one run in that order: just before ``before`` where that
+  key is in the same list, else at the back. The store moves the run of a
+  chain that a put continues up to the rest of that chain this way
+  (:class:`kvstore.store.Keep`).
 - ``len(policy)`` and ``key in policy`` count resident keys (live, stranded
   and set aside).
 
@@ -136,9 +138,6 @@ class _Order(Generic[K]):
         """Link ``key`` (not a member) at the back."""
         self.insert_before(key, _END)
 
-    def push_front(self, key: K) -> None:
-        """Link ``key`` (not a member) at the front: the next victim."""
-        self.insert_before(key, self._next[_END])
 
     def __iter__(self) -> Any:
         key = self._next[_END]
@@ -162,9 +161,6 @@ class _Queue(OrderedDict):  # type: ignore[type-arg]
     def append(self, key: Any) -> None:
         self[key] = None
 
-    def push_front(self, key: Any) -> None:
-        self[key] = None
-        self.move_to_end(key, last=False)
 
 
 class EvictionPolicy(ABC, Generic[K]):
@@ -197,8 +193,8 @@ class EvictionPolicy(ABC, Generic[K]):
         """``key`` is no longer protected: a key set aside goes back, as just used."""
 
     @abstractmethod
-    def restore(self, keys: list[K]) -> None:
-        """Put keys ``evict`` just set aside back where they stood, at the front."""
+    def restore(self, keys: list[K], before: K | None = None) -> None:
+        """Put keys ``evict`` just set aside back, as one run, just before ``before`` (or at the back)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -221,11 +217,13 @@ class _ChainPolicy(EvictionPolicy[K]):
         if home is not None:
             home.append(key)
 
-    def restore(self, keys: list[K]) -> None:
-        for key in reversed(keys):  # the first passed over ends up in front
+    def restore(self, keys: list[K], before: K | None = None) -> None:
+        for key in keys:
             home = self._aside.pop(key, None)
-            if home is not None:
-                home.push_front(key)
+            if isinstance(home, _Order):
+                home.insert_before(key, before if before is not None and before in home else _END)
+            elif home is not None:
+                home.append(key)  # (the stranded queue: first in, first out)
 
     def __len__(self) -> int:
         return self._resident() + len(self._aside)

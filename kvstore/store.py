@@ -91,7 +91,7 @@ class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
     __slots__ = ("checksum", "children", "dead", "extent", "leases", "pages", "parent", "pkey", "refs", "size",
-                 "stranded", "walk")
+                 "stranded")
 
     def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent, pages: int) -> None:
         self.pkey = pkey
@@ -105,7 +105,6 @@ class _Block:
         self.leases: list[float] | None = None  # deadlines, soonest first
         self.stranded = False
         self.dead = False  # out of the index, pages kept for readers
-        self.walk = 0  # the last BlockStore.keep walk that passed it
 
     @property
     def pinned(self) -> bool:
@@ -136,33 +135,38 @@ class _Block:
 
 # Field getters for the C loops over a batch's blocks.
 _PKEY, _PARENT, _STRANDED = attrgetter("pkey"), attrgetter("parent"), attrgetter("stranded")
-_NO_KEYS: frozenset[BlockKey] = frozenset()
 _SECOND = itemgetter(1)
 
 _LEASE_HEAP_MIN = 4096  # keys named by lease deadlines before the first sweep of stale ones
 
 
 class Keep:
-    """The stored chain a put continues (:meth:`BlockStore.keep`): its parent and the parent's predecessors.
+    """The stored chain a put batch continues: its parent and the parent's predecessors.
 
-    Making room for the put's blocks must not evict them: that would strand the
-    new blocks (out of a prefix lookup's reach) as they are committed. A chain
-    longer than the capacity then keeps its head and refuses its tail, instead
-    of evicting its own last block for each new one.
+    Making room for the batch's blocks passes over them: evicting one would
+    strand the new blocks (out of every prefix lookup's reach) as they are
+    committed. The chain is found as eviction meets it, at no cost per put: a
+    chain stands in the eviction order tail first (each block just before its
+    parent), so its blocks come up one after the other, each the parent of the
+    one before. The run met goes back just before the rest of its chain (at the
+    back when that was the head): the chain is in use. Where that order does not
+    hold (ARC's two lists; a chain block released after eviction passed it over
+    while pinned), a block of the chain can be taken for another's: it is
+    evicted, as without a keep.
+
+    ``strict``: refuse a block (``CapacityError``) for which only the chain is
+    left to evict -- a chain longer than the capacity keeps its head. Not
+    strict where a lower tier holds what memory evicts: the chain is evicted
+    then, as without a keep.
     """
 
-    __slots__ = ("ns", "pkeys", "_blocks", "_pages")
+    __slots__ = ("ns", "parent", "strict", "keys", "edge", "full")
 
-    def __init__(self, ns: str, blocks: list[_Block], pkeys: list[BlockKey]) -> None:
-        self.ns, self._blocks = ns, blocks
-        self.pkeys = frozenset(pkeys)
-        self._pages: int | None = None
-
-    def pages(self) -> int:
-        """Pages of the chain eviction could take but for the keep (counted on first need)."""
-        if self._pages is None:
-            self._pages = sum(b.pages for b in self._blocks if not (b.pinned or b.dead))
-        return self._pages
+    def __init__(self, ns: str, parent: bytes, *, strict: bool = True) -> None:
+        self.ns, self.parent, self.strict = ns, parent, strict
+        self.keys: set[bytes] = set()  # the chain's keys met so far
+        self.edge: bytes | None = None  # of those, the one nearest the head
+        self.full = False  # refused a block: only the chain was left (the batch's later blocks are refused at once)
 
 
 class Reservation:
@@ -278,7 +282,6 @@ class BlockStore:
         self._ns_bytes: dict[str, int] = {}
         self._lease_heap: list[tuple[float, int, str, list[bytes]]] = []  # (deadline, seq, ns, keys)
         self._lease_seq = itertools.count()
-        self._walks = itertools.count(1)  # BlockStore.keep's walks, to stop at a loop
         self._lease_heap_keys = 0  # keys the heap's entries name
         self._lease_heap_limit = _LEASE_HEAP_MIN
         # Accounting over indexed blocks (dead blocks kept for readers are not counted).
@@ -304,45 +307,14 @@ class BlockStore:
 
     # -- write path -------------------------------------------------------------
 
-    def keep(self, ns: str, parent: bytes) -> Keep:
-        """The chain a put batch continues from ``parent``, touched as one read of it.
-
-        A chain extended is in use: without the touch, a chain stored long ago and
-        extended now would stand at the front of the eviction order with its new
-        blocks in front of it, and the next put of another chain would evict them.
-        Pass the result to each of the batch's :meth:`reserve` calls. Walks the
-        chain once (O(its length)); an absent or stranded ``parent`` keeps nothing.
-
-        Raises:
-            InvalidRequest: bad namespace or ``parent``.
-        """
-        _check_ns(ns)
-        check_key(parent)
-        ns_blocks = self._blocks.get(ns, {})
-        chain: list[_Block] = []
-        block = ns_blocks.get(parent)
-        if block is not None and not block.stranded:
-            get, add, walk = ns_blocks.get, chain.append, next(self._walks)
-            while block.walk != walk:  # (links a lookup made can close a loop: a put of [b, a], a lookup of [a, b])
-                block.walk = walk
-                add(block)
-                up = block.parent
-                if up is None or (block := get(up)) is None:
-                    break
-        chain.reverse()  # head first, as a read goes
-        pkeys = list(map(_PKEY, chain))
-        if pkeys:
-            self._policy.touch(pkeys)
-        return Keep(ns, chain, pkeys)
-
     def reserve(self, ns: str, key: bytes, size: int, checksum: int = 0, *,
                 keep: Keep | None = None) -> Reservation | None:
         """Set pages aside for a block about to be received.
 
         A key already stored counts as read: a batch that restates a stored
         prefix (a whole prompt) takes the room for its new blocks from other
-        chains, not from that prefix. ``keep`` (:meth:`keep`): the chain the block
-        continues, which is not evicted for it either.
+        chains, not from that prefix. ``keep``: the chain the block continues
+        (:class:`Keep`, one per batch), which is not evicted for it either.
 
         Returns:
             The reservation, or ``None`` when ``(ns, key)`` is already stored.
@@ -350,8 +322,9 @@ class BlockStore:
         Raises:
             InvalidRequest: bad namespace, key or size.
             TooLarge: ``size`` is over the capacity or ``max_block_size``.
-            CapacityError: no room even after evicting every unpinned block
-                outside ``keep`` (nothing is evicted then).
+            CapacityError: no room even after evicting every unpinned block (nothing
+                is evicted then); or, with a strict ``keep``, no room but by evicting the
+                chain (blocks met before the chain may have been evicted).
         """
         _check_ns(ns)
         check_key(key)
@@ -750,42 +723,75 @@ class BlockStore:
         self._reserved_pages -= res.pages
 
     def _make_room(self, pages: int, keep: Keep | None = None) -> None:
-        """Evict until ``pages`` are free, or raise CapacityError having evicted nothing."""
+        """Evict until ``pages`` are free, or raise CapacityError (having evicted nothing, but
+        with a strict ``keep``)."""
         arena = self._arena
         if arena.free_pages >= pages:
             return
         self.expire_leases()  # expired leases pin nothing
-        kept = _NO_KEYS if keep is None else keep.pkeys
-        kept_pages = 0 if keep is None else keep.pages()
-        evictable = self._index_pages - self._pinned_pages - kept_pages
+        evictable = self._index_pages - self._pinned_pages
         if arena.free_pages + evictable < pages:
-            self._no_room(pages, evictable, kept_pages)
+            self._no_room(pages, evictable)
+        if keep is not None:
+            parent = self._blocks.get(keep.ns, {}).get(keep.parent)
+            if parent is None or parent.stranded:
+                keep = None  # the new blocks are out of reach anyway
+            elif keep.full:
+                self._no_room(pages, evictable, chain=True)  # (as for the batch's block before)
         spared: list[BlockKey] = []
-
-        def kept_or_pinned(pkey: BlockKey) -> bool:
-            if self._is_protected(pkey):
-                return True
-            if pkey in kept:
-                spared.append(pkey)  # set aside by the policy: back in place below
-                return True
-            return False
-
+        protected = self._is_protected if keep is None else self._sparing(keep, spared)
         try:
             while arena.free_pages < pages:
-                pkey = self._policy.evict(kept_or_pinned if kept else self._is_protected)
+                pkey = self._policy.evict(protected)
                 if pkey is None:
-                    if kept:  # pins changed since the chain was walked (for an earlier block of the batch)
-                        self._no_room(pages, 0, kept_pages)
-                    raise RuntimeError("eviction policy out of step with the store's pin accounting")
+                    if keep is None:
+                        raise RuntimeError("eviction policy out of step with the store's pin accounting")
+                    self._policy.restore(spared, self._anchor(keep))
+                    spared = []
+                    if keep.strict:
+                        keep.full = True
+                        self._no_room(pages, self._index_pages - self._pinned_pages, chain=True)
+                    protected, keep = self._is_protected, None  # (a tier holds the chain: evicted after all)
+                    continue
                 block = self._blocks[pkey[0]][pkey[1]]
                 self._drop(block)
                 self._events["evictions"] += 1
                 self._events["evicted_bytes"] += block.size
         finally:
-            if spared:
-                self._policy.restore(spared)
+            if spared and keep is not None:
+                self._policy.restore(spared, self._anchor(keep))
 
-    def _no_room(self, pages: int, evictable: int, kept: int) -> NoReturn:
+    def _sparing(self, keep: Keep, spared: list[BlockKey]) -> Callable[[BlockKey], bool]:
+        """The eviction filter of a put continuing ``keep``'s chain: pinned blocks, and the chain
+        (each block of it met is noted in ``spared``, to be restored)."""
+        blocks, ns, kept = self._blocks, keep.ns, keep.keys
+        ns_blocks = blocks[ns]
+
+        def protected(pkey: BlockKey) -> bool:
+            block = blocks[pkey[0]][pkey[1]]
+            key, chain = pkey[1], False
+            if pkey[0] == ns:
+                chain = key in kept
+                if not chain:  # the next block of the chain is the parent of the last one met
+                    edge = None if keep.edge is None else ns_blocks.get(keep.edge)
+                    chain = key == (keep.parent if keep.edge is None else edge and edge.parent)
+                    if chain:
+                        kept.add(key)
+                        keep.edge = key
+            if block.refs > 0 or block.leases is not None:
+                return True  # set aside until released, as every pinned block
+            if chain:
+                spared.append(pkey)
+            return chain
+
+        return protected
+
+    def _anchor(self, keep: Keep) -> BlockKey | None:
+        """Where the chain's run met goes back: before the rest of the chain (None: the back)."""
+        edge = self._blocks.get(keep.ns, {}).get(keep.edge) if keep.edge is not None else None
+        return None if edge is None or edge.parent is None else (keep.ns, edge.parent)
+
+    def _no_room(self, pages: int, evictable: int, chain: bool = False) -> NoReturn:
         arena = self._arena
 
         def size(n: int) -> str:  # pages, in bytes as --capacity is given
@@ -793,9 +799,9 @@ class BlockStore:
 
         raise CapacityError(
             f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
-            f"{size(evictable)} evictable, {size(self._pinned_pages)} pinned (leases, reads), "
+            f"{size(evictable)} evictable" + (" (all of it the stored chain this block continues)" if chain else "")
+            + f", {size(self._pinned_pages)} pinned (leases, reads), "
             f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
-            + (f", {size(kept)} the stored chain this block continues" if kept else "")
         )
 
     def _is_protected(self, pkey: BlockKey) -> bool:

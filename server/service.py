@@ -26,7 +26,7 @@ from kvstore.errors import (
 )
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
 from kvstore.messages import OP_NAMES, REQUESTS
-from kvstore.store import BlockRef, BlockStore, Reservation
+from kvstore.store import BlockRef, BlockStore, Keep, Reservation
 
 from .auth import Grant, TokenTable
 from .metrics import LatencyHistograms
@@ -111,7 +111,8 @@ class PutSink:
         self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
         self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
-        self.keep = None if msg.parent is None else store.keep(ns, msg.parent)  # the chain the batch continues
+        # The chain the batch continues (with a tier, which holds what memory evicts, not at all costs).
+        self.keep = None if msg.parent is None else Keep(ns, msg.parent, strict=tier is None)
 
     def target(self, i: int) -> list[memoryview] | None:
         if not self.sizes[i]:

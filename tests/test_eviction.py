@@ -117,17 +117,22 @@ def test_protected_keys_are_set_aside_until_released(policy: EvictionPolicy[str]
     assert drain(policy) == ["c", "a"]  # ... and back as just used, in the order released
 
 
-def test_restored_keys_go_back_to_the_front_as_they_stood(policy: EvictionPolicy[str]) -> None:
-    for key in "abcdef":
+def test_restored_keys_go_back_as_one_run_before_the_key_given(policy: EvictionPolicy[str]) -> None:
+    for key in "abcdefg":
         policy.add(key)
-    policy.demote("f")
-    spared = {"a", "b", "f"}
-    assert policy.evict(lambda k: k in spared) == "c"  # f (stranded), a, b passed over, in that order
-    assert policy.evict(lambda k: k in spared) == "d"
-    policy.restore(["f", "a", "b"])
+    policy.demote("g")
+    spared = {"a", "b", "g"}
+    assert policy.evict(lambda k: k in spared) == "c"  # g (stranded), a, b passed over, in that order
+    policy.restore(["g", "a", "b"], "f")  # (g: back to the stranded queue)
     policy.restore(["e"])  # (not set aside: nothing happens)
-    assert len(policy) == 4
-    assert drain(policy) == ["f", "a", "b", "e"]
+    assert len(policy) == 6
+    assert drain(policy) == ["g", "d", "e", "a", "b", "f"]
+    for key in "xyz":
+        policy.add(key)
+    assert policy.evict(lambda k: k in "xy") == "z"
+    policy.restore(["x", "y"], "absent")  # -> at the back
+    policy.add("w")
+    assert drain(policy) == ["x", "y", "w"]
 
 
 def test_a_released_key_goes_behind_keys_used_while_it_was_pinned(policy: EvictionPolicy[str]) -> None:

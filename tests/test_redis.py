@@ -252,6 +252,28 @@ async def test_eviction_from_memory_never_deletes_from_redis(redis_server: Redis
     assert in_redis(redis_server, NS, keys[:2]) == [False, True]
 
 
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_a_chain_longer_than_memory_is_stored_whole_through_the_tier(redis_server: RedisProcess, make_server,
+                                                                          mode: str) -> None:
+    """Memory keeps a chain a put continues from eviction, and refuses a block for which only that
+    chain is left -- but not with a tier, which holds what memory evicts: such a block went to
+    neither, and a lookup found 6 of 20 instead of all."""
+    srv = make_server("--capacity", "384KiB", "--page-size", "64KiB", "--redis", redis_server.url,
+                      "--redis-mode", mode)  # six blocks
+    keys = chain(20, f"long-{mode}")
+    data = blocks(keys, 1000)
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        for i, k in enumerate(keys):  # an engine's store at each step, naming the block before
+            assert (await kv.put([k], [data[i]], parent=keys[i - 1] if i else None)).stored == 1
+
+        async def all_in_redis() -> bool:
+            return all(in_redis(redis_server, NS, keys))
+
+        await eventually(all_in_redis, 10, "write-behind to catch up")
+        assert await kv.lookup(keys) == 20
+        assert payloads(await kv.get(keys)) == data
+
+
 async def test_lookup_counts_only_blocks_a_get_can_return(redis_server: RedisProcess, make_server) -> None:
     keys, _ = await written_to_redis(make_server, redis_server, "foreign", 6)
     redis_server.cli("DEL", block_key(NS, keys[3]))
