@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 
 class ThrottledLog:
-    """``warning()`` logs at most one line of a kind (its message template) every ``seconds``,
-    the next one counting those held back meanwhile."""
+    """``warning()`` and ``info()`` log at most one line of a kind (its message template) every
+    ``seconds``, the next one counting those held back meanwhile."""
 
     def __init__(self, logger: logging.Logger, seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -25,11 +25,17 @@ class ThrottledLog:
         self._next: dict[str, float] = {}
         self._held: Counter[str] = Counter()
 
-    def warning(self, msg: str, *args: Any) -> None:
+    def warning(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._log(logging.WARNING, msg, args, kw)
+
+    def info(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._log(logging.INFO, msg, args, kw)
+
+    def _log(self, level: int, msg: str, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         now = self._clock()
         if now < self._next.get(msg, -float("inf")):
             self._held[msg] += 1
             return
         self._next[msg] = now + self.seconds
         held = self._held.pop(msg, 0)
-        self.logger.warning(msg + (f" ({held} more like it held back)" if held else ""), *args)
+        self.logger.log(level, msg + (f" ({held} more like it held back)" if held else ""), *args, **kw)

@@ -27,6 +27,7 @@ from kvstore.errors import (
 from kvstore.protocol import EXISTED, STORED, Delete, Exists, Flush, Get, Hello, Lookup, Ping, Put, Stats, Unpin, VERSION
 from kvstore.messages import OP_NAMES, REQUESTS
 from kvstore.store import BlockRef, BlockStore, Keep, Reservation
+from kvstore.throttle import ThrottledLog
 
 from .auth import Grant, TokenTable
 from .metrics import LatencyHistograms
@@ -84,6 +85,16 @@ class Counters:
         self.requests[op] = self.requests.get(op, 0) + 1
         if failed:
             self.errors[op] = self.errors.get(op, 0) + 1
+
+
+#: After a Redis restart every put of a block memory still holds writes it again: one line per put would
+#: flood the log at the request rate.
+_again_log = ThrottledLog(log)
+
+
+def _written_again(n: int, ns: str) -> None:
+    _again_log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
+                    "(a Redis restarted without persistence, a key expired or evicted)", n, ns)
 
 
 class PutSink:
@@ -319,8 +330,7 @@ class PutSink:
             log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
                         len(again), self.ns, exc)
             return
-        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing "
-                 "there (a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
+        _written_again(len(again), self.ns)
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
         """Write "existed" blocks the tier lacks to it from memory; on failure fail those keys (they
@@ -340,8 +350,7 @@ class PutSink:
         # (A delete that ran during the write may have reached Redis before it: the block is then
         # there as if this put, answered after that delete, came after it. Deleting it again here
         # could remove a third put's copy, acknowledged.)
-        log.info("wrote %d block(s) of namespace %r to the tier again: put again, in memory, missing there "
-                 "(a Redis restarted without persistence, a key expired or evicted)", len(again), self.ns)
+        _written_again(len(again), self.ns)
 
     def _tier_failure(self, exc: Exception, n: int) -> Unavailable:
         if isinstance(exc, Unavailable):

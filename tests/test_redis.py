@@ -195,8 +195,14 @@ async def test_a_block_put_again_that_redis_lost_is_written_again_not_just_calle
             assert res.statuses == ["existed"] * 4 + ["stored"] * 2
             await eventually(all_six, 10, "every block in Redis")  # (write-behind: once flushed)
             after = await kv.stats()
+            redis.cli("FLUSHALL")  # lost again: each put of a block writes it again ...
+            for k, d in zip(keys, data):
+                assert (await kv.put([k], [d])).existed == 1
+            await eventually(all_six, 10, "every block in Redis again")
         assert after["store"]["stored"] - before["store"]["stored"] == 2  # (written again, not stored again)
         first.stop(signal.SIGKILL)
+        said = [line for line in first.log if "to the tier again" in line]
+        assert len(said) == 1, said  # ... said once in ten seconds (was: a line for every put)
     with ServerProcess("--capacity", MEM, "--redis", redis.url) as second:
         async with AsyncKVClient(second.addr, namespace=NS) as kv:
             assert payloads(await kv.get(keys)) == data  # every acknowledged block

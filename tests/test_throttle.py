@@ -26,3 +26,16 @@ def test_a_kind_is_logged_once_per_window_and_the_next_line_counts_the_rest(capl
         "redis r1 is down",
         "redis key e is corrupt (3 more like it held back)",
     ]
+
+
+def test_info_lines_are_throttled_alike(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    log = ThrottledLog(logging.getLogger("kvstore.test.throttle"), seconds=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="kvstore.test.throttle"):
+        for n in range(5):
+            log.info("wrote %d block(s) again", n, extra={"event": "again"})
+        now[0] += 10
+        log.info("wrote %d block(s) again", 9)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "wrote 0 block(s) again"), (logging.INFO, "wrote 9 block(s) again (4 more like it held back)")]
+    assert getattr(caplog.records[0], "event") == "again"
