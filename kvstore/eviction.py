@@ -18,20 +18,18 @@ the store owns the blocks, pins and leases. Contract of :class:`EvictionPolicy`:
   Unknown keys are ignored.
 - ``demote(key)``: ``key`` is stranded (its predecessor is gone), so it is
   evicted before every live key; stranded keys leave in demotion order.
-- ``evict(protected)``: pick exactly one key for which ``protected(key)`` is
-  false, drop it from the resident structures and return it -- or return
-  ``None``. A protected key it passes over is set aside until ``released``,
-  so however many keys are pinned, each costs one step, not one per eviction.
-- ``released(key)``: ``key`` is no longer protected. Set aside, it goes back
-  to the back of its list, as if just used (it was in use: leased for a load,
-  or being read). Otherwise nothing happens; the store calls it whenever a
-  block's last pin ends. A set-aside key that is touched is placed at once.
-- ``restore(keys, before=None)``: ``keys``, set aside by ``evict`` as
-  protected only for the evictions just made (in the order it passed them
-  over), go back as one run in that order: just before ``before`` where that
-  key is in the same list, else at the back. The store moves the run of a
-  chain that a put continues up to the rest of that chain this way
-  (:class:`kvstore.store.Keep`).
+- ``evict(protected, stranded_only=False)``: pick exactly one key for which
+  ``protected(key)`` is false, drop it from the resident structures and
+  return it -- or return ``None``. A protected key it passes over is set aside
+  until ``released``, so however many keys are pinned, each costs one step,
+  not one per eviction. ``stranded_only``: only a stranded key.
+- ``released(key, parent=None)``: ``key`` is no longer protected. Set aside,
+  it goes back to the back of its list, as if just used (it was in use:
+  leased for a load, or being read) -- but just before ``parent`` where that
+  is in the same list, as ``add`` places it. Otherwise nothing happens; the
+  store calls it whenever a block's last pin ends, and for keys it had
+  ``evict`` pass over for one eviction only. A set-aside key that is touched
+  is placed at once.
 - ``len(policy)`` and ``key in policy`` count resident keys (live, stranded
   and set aside).
 
@@ -185,16 +183,12 @@ class EvictionPolicy(ABC, Generic[K]):
         """Mark a key stranded: evict it before anything still reachable."""
 
     @abstractmethod
-    def evict(self, protected: Callable[[K], bool]) -> K | None:
+    def evict(self, protected: Callable[[K], bool], stranded_only: bool = False) -> K | None:
         """Remove and return one unprotected key (setting aside the protected keys passed over), or None."""
 
     @abstractmethod
-    def released(self, key: K) -> None:
-        """``key`` is no longer protected: a key set aside goes back, as just used."""
-
-    @abstractmethod
-    def restore(self, keys: list[K], before: K | None = None) -> None:
-        """Put keys ``evict`` just set aside back, as one run, just before ``before`` (or at the back)."""
+    def released(self, key: K, parent: K | None = None) -> None:
+        """``key`` is no longer protected: a key set aside goes back, as just used (not past ``parent``)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -212,18 +206,12 @@ class _ChainPolicy(EvictionPolicy[K]):
         self._stranded = _Queue()  # FIFO: the first demoted leaves first
         self._aside: dict[K, Any] = {}  # protected keys evict() passed over -> the list they left
 
-    def released(self, key: K) -> None:
+    def released(self, key: K, parent: K | None = None) -> None:
         home = self._aside.pop(key, None)
-        if home is not None:
+        if isinstance(home, _Order) and parent is not None and parent in home:
+            home.insert_before(key, parent)  # (back at the end, it would outlive its parent)
+        elif home is not None:
             home.append(key)
-
-    def restore(self, keys: list[K], before: K | None = None) -> None:
-        for key in keys:
-            home = self._aside.pop(key, None)
-            if isinstance(home, _Order):
-                home.insert_before(key, before if before is not None and before in home else _END)
-            elif home is not None:
-                home.append(key)  # (the stranded queue: first in, first out)
 
     def __len__(self) -> int:
         return self._resident() + len(self._aside)
@@ -298,9 +286,9 @@ class LRUPolicy(_ChainPolicy[K]):
         else:
             self._demote_aside(key)
 
-    def evict(self, protected: Callable[[K], bool]) -> K | None:
+    def evict(self, protected: Callable[[K], bool], stranded_only: bool = False) -> K | None:
         victim = self._evict_stranded(protected)
-        if victim is None:
+        if victim is None and not stranded_only:
             victim = self._live.pop_victim(protected, self._aside)
         return victim
 
@@ -377,9 +365,9 @@ class ARCPolicy(_ChainPolicy[K]):
         else:
             self._demote_aside(key)
 
-    def evict(self, protected: Callable[[K], bool]) -> K | None:
+    def evict(self, protected: Callable[[K], bool], stranded_only: bool = False) -> K | None:
         victim = self._evict_stranded(protected)
-        if victim is not None:
+        if victim is not None or stranded_only:
             return victim
         size = len(self)
         if len(self._t1) > self.p:

@@ -87,6 +87,11 @@ class StoreStats(TypedDict):
     eviction: str  # the policy's name
 
 
+def _parent_key(block: _Block) -> BlockKey | None:
+    """The policy key of a block's parent while it reaches the block (a hint: no lookup)."""
+    return None if block.parent is None or block.stranded else (block.pkey[0], block.parent)
+
+
 class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
@@ -141,32 +146,33 @@ _LEASE_HEAP_MIN = 4096  # keys named by lease deadlines before the first sweep o
 
 
 class Keep:
-    """The stored chain a put batch continues: its parent and the parent's predecessors.
+    """The stored chain a put's next block continues: its parent and the parent's predecessors.
 
-    Making room for the batch's blocks passes over them: evicting one would
-    strand the new blocks (out of every prefix lookup's reach) as they are
-    committed. The chain is found as eviction meets it, at no cost per put: a
-    chain stands in the eviction order tail first (each block just before its
-    parent), so its blocks come up one after the other, each the parent of the
-    one before. The run met goes back just before the rest of its chain (at the
-    back when that was the head): the chain is in use. Where that order does not
-    hold (ARC's two lists; a chain block released after eviction passed it over
-    while pinned), a block of the chain can be taken for another's: it is
-    evicted, as without a keep.
+    Making room for the block passes over them: evicting one would strand the
+    new block (out of every prefix lookup's reach) as it is committed. The
+    chain is found as eviction meets it, at no cost per put: a chain stands in
+    the eviction order tail first (each block just before its parent), so its
+    blocks come up one after the other, each the parent of the one before. The
+    run met is then touched, as read: it goes just before the rest of its chain
+    (at the back when it reached the head). Where that order does not hold
+    (ARC's two lists), a block of the chain can be taken for another's: once
+    evicting it strands the parent, the block is one that no lookup reaches,
+    and it makes room as such a block does (below).
 
-    ``strict``: refuse a block (``CapacityError``) for which only the chain is
-    left to evict -- a chain longer than the capacity keeps its head. Not
-    strict where a lower tier holds what memory evicts: the chain is evicted
-    then, as without a keep.
+    With a parent that is not stored or stranded (evicted, refused), the block
+    will be stranded itself: it may evict only stranded blocks, never one a
+    lookup reaches. ``strict``: refuse (``CapacityError``) a block for which
+    nothing else is left to evict -- so a chain longer than the capacity keeps
+    its head. Not strict where a lower tier holds what memory evicts (the
+    chain, a missing parent): the block is room made for as without a keep.
     """
 
-    __slots__ = ("ns", "parent", "strict", "keys", "edge", "full")
+    __slots__ = ("ns", "parent", "strict", "keys", "edge")
 
     def __init__(self, ns: str, parent: bytes, *, strict: bool = True) -> None:
         self.ns, self.parent, self.strict = ns, parent, strict
         self.keys: set[bytes] = set()  # the chain's keys met so far
         self.edge: bytes | None = None  # of those, the one nearest the head
-        self.full = False  # refused a block: only the chain was left (the batch's later blocks are refused at once)
 
 
 class Reservation:
@@ -570,7 +576,7 @@ class BlockStore:
             elif block.leases is None:  # it was pinned by its readers alone
                 self._pinned_pages -= block.pages
                 self._pinned_blocks -= 1
-                self._policy.released(block.pkey)
+                self._policy.released(block.pkey, _parent_key(block))
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         """A copy of a block's bytes, or None (touches it like a read)."""
@@ -724,7 +730,7 @@ class BlockStore:
 
     def _make_room(self, pages: int, keep: Keep | None = None) -> None:
         """Evict until ``pages`` are free, or raise CapacityError (having evicted nothing, but
-        with a strict ``keep``)."""
+        stranded blocks and blocks met before a kept chain)."""
         arena = self._arena
         if arena.free_pages >= pages:
             return
@@ -732,38 +738,44 @@ class BlockStore:
         evictable = self._index_pages - self._pinned_pages
         if arena.free_pages + evictable < pages:
             self._no_room(pages, evictable)
-        if keep is not None:
-            parent = self._blocks.get(keep.ns, {}).get(keep.parent)
-            if parent is None or parent.stranded:
-                keep = None  # the new blocks are out of reach anyway
-            elif keep.full:
-                self._no_room(pages, evictable, chain=True)  # (as for the batch's block before)
+        if keep is not None and not keep.strict and not self._reachable(keep):
+            keep = None  # (a lower tier may hold the parent)
         spared: list[BlockKey] = []
-        protected = self._is_protected if keep is None else self._sparing(keep, spared)
+        protected = self._sparing(keep, spared) if keep is not None and self._reachable(keep) else self._is_protected
         try:
             while arena.free_pages < pages:
-                pkey = self._policy.evict(protected)
+                orphan = keep is not None and not self._reachable(keep)
+                if orphan and spared:  # a block of the chain met out of order was evicted: it broke
+                    self._put_back(spared, None)
+                    spared.clear()
+                if orphan and keep is not None and not keep.strict:
+                    keep, protected, orphan = None, self._is_protected, False
+                pkey = self._policy.evict(self._is_protected if orphan else protected, stranded_only=orphan)
                 if pkey is None:
                     if keep is None:
                         raise RuntimeError("eviction policy out of step with the store's pin accounting")
-                    self._policy.restore(spared, self._anchor(keep))
-                    spared = []
-                    if keep.strict:
-                        keep.full = True
-                        self._no_room(pages, self._index_pages - self._pinned_pages, chain=True)
-                    protected, keep = self._is_protected, None  # (a tier holds the chain: evicted after all)
-                    continue
+                    if not keep.strict:  # (a tier holds the chain: evicted after all)
+                        self._put_back(spared, None)
+                        spared.clear()
+                        keep, protected = None, self._is_protected
+                        continue
+                    self._no_room(pages, self._index_pages - self._pinned_pages, "orphan" if orphan else "chain")
                 block = self._blocks[pkey[0]][pkey[1]]
                 self._drop(block)
                 self._events["evictions"] += 1
                 self._events["evicted_bytes"] += block.size
         finally:
-            if spared and keep is not None:
-                self._policy.restore(spared, self._anchor(keep))
+            if spared:
+                self._put_back(spared, keep)
+
+    def _reachable(self, keep: Keep) -> bool:
+        """Whether the parent ``keep`` names is stored and reachable (so the new block will be)."""
+        parent = self._blocks.get(keep.ns, {}).get(keep.parent)
+        return parent is not None and not parent.stranded
 
     def _sparing(self, keep: Keep, spared: list[BlockKey]) -> Callable[[BlockKey], bool]:
-        """The eviction filter of a put continuing ``keep``'s chain: pinned blocks, and the chain
-        (each block of it met is noted in ``spared``, to be restored)."""
+        """The eviction filter of a block continuing ``keep``'s chain: pinned blocks, and the chain
+        (each block of it met is noted in ``spared``, to be put back)."""
         blocks, ns, kept = self._blocks, keep.ns, keep.keys
         ns_blocks = blocks[ns]
 
@@ -786,21 +798,35 @@ class BlockStore:
 
         return protected
 
-    def _anchor(self, keep: Keep) -> BlockKey | None:
-        """Where the chain's run met goes back: before the rest of the chain (None: the back)."""
-        edge = self._blocks.get(keep.ns, {}).get(keep.edge) if keep.edge is not None else None
-        return None if edge is None or edge.parent is None else (keep.ns, edge.parent)
+    def _put_back(self, spared: list[BlockKey], keep: Keep | None) -> None:
+        """The chain's blocks a put passed over: still reachable, touched as read, just before the
+        rest of their chain (``keep``: None, or it broke meanwhile: each back where it was going)."""
+        live = []
+        for pkey in spared:
+            block = self._blocks.get(pkey[0], {}).get(pkey[1])
+            if block is None or block.stranded or keep is None or not self._reachable(keep):
+                self._policy.released(pkey)  # (stranded meanwhile: back to the stranded queue)
+            else:
+                live.append(pkey)
+        if live:
+            assert keep is not None
+            edge = self._blocks[keep.ns].get(keep.edge) if keep.edge is not None else None
+            parent = None if edge is None or edge.parent is None else (keep.ns, edge.parent)
+            live.reverse()  # head first, as a read goes
+            self._policy.touch(live, parent)
 
-    def _no_room(self, pages: int, evictable: int, chain: bool = False) -> NoReturn:
+    def _no_room(self, pages: int, evictable: int, left: str = "") -> NoReturn:
         arena = self._arena
 
         def size(n: int) -> str:  # pages, in bytes as --capacity is given
             return format_size(n * arena.page_size)
 
+        why = {"chain": " (all of it the stored chain this block continues)",
+               "orphan": " (none of it stranded: the block's parent is not stored, so no lookup would reach it, "
+                         "and it may not take a reachable block's room)"}.get(left, "")
         raise CapacityError(
             f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
-            f"{size(evictable)} evictable" + (" (all of it the stored chain this block continues)" if chain else "")
-            + f", {size(self._pinned_pages)} pinned (leases, reads), "
+            f"{size(evictable)} evictable{why}, {size(self._pinned_pages)} pinned (leases, reads), "
             f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
         )
 
@@ -882,7 +908,7 @@ class BlockStore:
             self._pinned_pages += pages if now else -pages
             self._pinned_blocks += 1 if now else -1
             if not now:
-                self._policy.released(block.pkey)
+                self._policy.released(block.pkey, _parent_key(block))
 
     def _add_leases(self, ns: str, keys: list[bytes], blocks: list[_Block], deadline: float) -> None:
         """One lease until ``deadline`` on each block (the blocks of ``keys``; one

@@ -122,7 +122,8 @@ class PutSink:
         self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
         self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
-        # The chain the batch continues (with a tier, which holds what memory evicts, not at all costs).
+        # The stored chain the next block continues: the PUT's parent, then the last block found stored
+        # or refused (with a tier, which holds what memory evicts, not at all costs: kvstore.store.Keep).
         self.keep = None if msg.parent is None else Keep(ns, msg.parent, strict=tier is None)
 
     def target(self, i: int) -> list[memoryview] | None:
@@ -132,8 +133,15 @@ class PutSink:
         res = self.reserve(i)
         return None if res is None else res.views
 
-    def reserve(self, i: int) -> Reservation | None:
-        """Reserve block ``i`` (None: dropped; its status says why)."""
+    def reserve(self, i: int, in_order: bool = True) -> Reservation | None:
+        """Reserve block ``i`` (None: dropped; its status says why). ``in_order``: the batch's
+        blocks before it were reserved before it (they name the chain it continues)."""
+        res = self._reserve(i, self.keep if in_order else None)
+        if res is None and in_order:  # stored already, or refused: what the next block continues
+            self.keep = Keep(self.ns, self.msg.keys[i], strict=self.tier is None)
+        return res
+
+    def _reserve(self, i: int, keep: Keep | None) -> Reservation | None:
         checksum = self.msg.checksums[i] if self.msg.checksums else 0
         limit = self.tier.max_block if self.tier is not None else None
         try:
@@ -143,7 +151,7 @@ class PutSink:
             if refusal is not None:  # (a key in memory too: it may not be in Redis, see commit)
                 self.store.check_size(self.sizes[i])  # (a block that can never be stored says so first)
                 raise refusal  # (reserving would evict blocks of memory for a block then dropped)
-            res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum, keep=self.keep)
+            res = self.store.reserve(self.ns, self.msg.keys[i], self.sizes[i], checksum, keep=keep)
         except (CapacityError, TooLarge, InvalidRequest, Unavailable) as exc:
             self.status[i] = exc.code
             self.errors[i] = str(exc)
@@ -174,7 +182,7 @@ class PutSink:
         """
         keys = self.msg.keys
         for i in self.empty:
-            self.reserve(i)
+            self.reserve(i, in_order=False)
         self.empty = []
         first: dict[bytes, int] = {}  # key -> the batch's index that stored it
         for i, res in enumerate(self.reservations):

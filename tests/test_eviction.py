@@ -117,22 +117,25 @@ def test_protected_keys_are_set_aside_until_released(policy: EvictionPolicy[str]
     assert drain(policy) == ["c", "a"]  # ... and back as just used, in the order released
 
 
-def test_restored_keys_go_back_as_one_run_before_the_key_given(policy: EvictionPolicy[str]) -> None:
-    for key in "abcdefg":
-        policy.add(key)
-    policy.demote("g")
-    spared = {"a", "b", "g"}
-    assert policy.evict(lambda k: k in spared) == "c"  # g (stranded), a, b passed over, in that order
-    policy.restore(["g", "a", "b"], "f")  # (g: back to the stranded queue)
-    policy.restore(["e"])  # (not set aside: nothing happens)
-    assert len(policy) == 6
-    assert drain(policy) == ["g", "d", "e", "a", "b", "f"]
-    for key in "xyz":
-        policy.add(key)
-    assert policy.evict(lambda k: k in "xy") == "z"
-    policy.restore(["x", "y"], "absent")  # -> at the back
-    policy.add("w")
-    assert drain(policy) == ["x", "y", "w"]
+def test_a_released_key_goes_no_further_back_than_just_before_its_parent(policy: EvictionPolicy[str]) -> None:
+    """Back at the end, a chain's block would outlive its parent (whose eviction strands it)."""
+    put_chain(policy, ["a", "b", "c"])  # order c, b, a
+    policy.add("x")
+    assert policy.evict(lambda k: k in "bc") == "a"  # (c, b set aside)
+    put_chain(policy, ["a2", "b2"])
+    assert policy.evict(lambda k: k in "bc") == "x"
+    policy.released("c", "b2")  # a parent in the same list: just before it
+    policy.released("b")  # none: at the back
+    assert drain(policy) == ["c", "b2", "a2", "b"]
+
+
+def test_evict_stranded_only(policy: EvictionPolicy[str]) -> None:
+    put_chain(policy, ["a", "b"])
+    policy.add("c")
+    assert policy.evict(NONE, stranded_only=True) is None
+    policy.demote("b")
+    assert policy.evict(NONE, stranded_only=True) == "b"
+    assert policy.evict(NONE, stranded_only=True) is None and len(policy) == 2
 
 
 def test_a_released_key_goes_behind_keys_used_while_it_was_pinned(policy: EvictionPolicy[str]) -> None:

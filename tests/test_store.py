@@ -759,17 +759,51 @@ def test_the_run_of_the_chain_met_goes_back_before_the_rest_of_its_chain(policy:
     assert store.stats()["stranded_blocks"] == 0
 
 
-def test_a_put_continuing_a_missing_stranded_or_looped_chain(policy: str) -> None:
+def test_a_chain_passed_over_while_part_of_it_is_leased_keeps_its_order(policy: str) -> None:
+    """A request stores its chain step by step while another loads its prefix (a pinned lookup,
+    then unpin). The put that passed over the leased prefix sent the rest of the chain to the
+    back, and the unpin released the prefix behind it: the next put's eviction took the head."""
+    store = make(policy, 12)
+    chain = [f"k{i}" for i in range(1, 9)]
+    put_batch(store, chain[:1])
+    for i in range(1, 6):
+        put_batch(store, [chain[i]], after=chain[i - 1])
+    assert store.lookup(NS, [k(n) for n in chain[:3]], pin=True) == 3
+    put_batch(store, [f"o{i}" for i in range(6)])  # full
+    put_batch(store, ["k7"], after="k6")  # passes over k6..k1, the prefix leased
+    assert store.unpin(NS, [k(n) for n in chain[:3]]) == 3
+    for i in range(6, 11):
+        put_batch(store, [f"o{i}"])  # other traffic
+    put_batch(store, ["k8"], after="k7")
+    assert store.lookup(NS, [k(n) for n in chain]) == 8 and store.stats()["stranded_blocks"] == 0  # (was 0 of 8)
+
+
+def test_a_block_whose_parent_is_not_stored_takes_only_a_stranded_blocks_room(policy: str) -> None:
+    """No lookup reaches such a block: it is stranded as it is committed. It took a reachable
+    block's room (an engine's store still in flight when the one before it was refused evicted
+    the request's own last block: a lookup found 5 of 6)."""
+    store = make(policy, 5)
+    put_batch(store, [0, 1, 2])
+    put_batch(store, ["s0", "s1"])
+    with pytest.raises(CapacityError, match="parent is not stored, so no lookup would reach it"):
+        put_batch(store, [4], after=3)  # 3 was refused: 4 continues nothing stored
+    assert store.stats()["evictions"] == 0
+    store.delete(NS, [k("s0")])  # s1 stranded, a page free
+    put_batch(store, ["y"])
+    assert put_batch(store, [4], after=3) == [True]  # -> evicts [s1], stranded
+    assert present(store, [0, 1, 2, "s1", "y"]) == [0, 1, 2, "y"]
+    assert store.stats()["stranded_blocks"] == 1  # (4 itself)
+    assert put_batch(store, [5], after="y") == [True]  # a reachable parent: the room of stranded 4 first
+    assert present(store, [4]) == []
+
+
+def test_a_put_continuing_a_chain_of_looped_links_ends(policy: str) -> None:
     store = make(policy, 4)
     put_batch(store, ["b", "a"])  # a's parent is b ...
     assert store.lookup(NS, [k("a"), k("b")]) == 2  # ... and this lookup made b's parent a: a loop
     put_batch(store, ["z0", "z1"])
-    assert put_batch(store, ["n"], after="a") == [True]  # -> one eviction (the meeting of the chain ends)
-    assert len(present(store, ["a", "b", "z0", "z1"])) == 3
-    assert put_batch(store, ["m"], after="gone") == [True]  # a missing parent keeps nothing
-    store.delete(NS, [k("b")])  # a, n stranded
-    assert put_batch(store, ["p", "q"], after="n") == [True, True]  # nor a stranded one: -> evicts [a], [n]
-    assert present(store, ["a", "n"]) == []
+    assert put_batch(store, ["n"], after="a") == [True]
+    assert store.stats()["blocks"] == 4 and len(store.policy) == 4
 
 
 # -- capacity -------------------------------------------------------------------
