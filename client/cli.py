@@ -21,7 +21,9 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
-from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unauthorized
+from kvstore.errors import (
+    InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, Unauthorized, Unavailable,
+)
 from kvstore.keys import check_key
 from kvstore.protocol import Ping
 
@@ -449,22 +451,24 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
 
 
 async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
-    """A server that cannot be reached for a sample (restarting, say) gets a line saying so, and
-    watch goes on; one that cannot be reached at the start is an error, as for every command."""
+    """A server that cannot be reached for a sample (restarting, say, or at its connection limit
+    after one) gets a line saying so, and watch goes on; one that cannot be reached at the start is
+    an error, as for every command. With ``--count``, the exit status is 1 when the last sample
+    found no server."""
     prev: dict[str, Any] | None = None
     t_prev = time.monotonic()
     n = 0
     while True:
         try:
             cur, now = await kv.stats(), time.monotonic()
-        except TransportError as exc:
+        except (TransportError, Unavailable) as exc:
             print(f"{time.strftime('%H:%M:%S')}  unreachable: {exc}", file=out, flush=True)
-            prev, n = None, n + 1
+            prev, n, reached = None, n + 1, False
         else:
             print(watch_line(prev, cur, now - t_prev), file=out, flush=True)
-            prev, t_prev, n = cur, now, n + 1
+            prev, t_prev, n, reached = cur, now, n + 1, True
         if args.count and n >= args.count:
-            return 0
+            return 0 if reached else 1
         await asyncio.sleep(max(0.05, args.interval))
 
 

@@ -64,6 +64,7 @@ class Node:
         self.client = client
         self.shm: ShmChannel | None = None  # the server's arena, mapped (client/shm.py)
         self.shm_tried: str | None = None  # the server instance an attach was last tried with
+        self.shm_retry_at = 0.0  # ... and when it may be tried again (monotonic; inf: never)
         self.conns: list[ClientConnection] = []
         # Connections being opened, each by a task of its own: they count toward pool_size, and a caller
         # that finds every slot taken by one waits for it instead of queueing for a connect of its own

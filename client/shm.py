@@ -516,6 +516,11 @@ class ShmChannel:
         return sums
 
 
+#: After an attach that failed or timed out, new connections use the socket for this long before one
+#: tries again (each try may hold its connection's opening for up to ``connect_timeout``).
+ATTACH_RETRY_S = 30.0
+
+
 async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     """The node's shm channel after opening ``conn``: kept, (re-)attached, or None (socket path).
 
@@ -525,8 +530,9 @@ async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     the server announced -- it works only on the server's host, and the arena
     instance must match the one this connection talks to). One attempt per
     server instance: a refusal is not retried on every new connection -- except a server at its
-    connection limit (``Unavailable``) or one that did not answer in time or closed early
-    (``TransportError``: loaded, say), asked again by the next new connection.
+    connection limit (``Unavailable``), asked again by the next new connection, and one
+    that failed or did not answer in time (``TransportError``: loaded, say), asked again by the
+    first new connection :data:`ATTACH_RETRY_S` later.
     """
     info = conn.hello.get("shm")
     if not isinstance(info, dict):
@@ -543,16 +549,21 @@ async def open_channel(node: Node, conn: ClientConnection) -> ShmChannel | None:
     if want is False or not isinstance(instance, str):
         return None
     path = node.unix or (info.get("path") if want else None)
-    if not isinstance(path, str) or node.shm_tried == instance:
+    if not isinstance(path, str) or (node.shm_tried == instance and time.monotonic() < node.shm_retry_at):
         return None
-    node.shm_tried = instance
+    node.shm_tried, node.shm_retry_at = instance, float("inf")
     c = node.client
     try:
         segment = await asyncio.to_thread(attach, path, namespace=c.namespace, token=c.token,
                                           timeout=c.connect_timeout)
-    except (Unavailable, TransportError) as exc:  # at its connection limit, draining, loaded: asked again later
+    except Unavailable as exc:  # at its connection limit (or draining): the next new connection asks again
         node.shm_tried = None
         log.info("shared memory not used with %s for now (%s); using the socket", node.addr, exc)
+        return None
+    except TransportError as exc:  # failed or timed out (loaded?): asked again, but not by every new connection
+        node.shm_retry_at = time.monotonic() + ATTACH_RETRY_S  # (each would wait up to connect_timeout)
+        log.info("shared memory not used with %s for now (%s); using the socket, and trying again in %g s "
+                 "at the earliest", node.addr, exc, ATTACH_RETRY_S)
         return None
     except (KVStoreError, OSError) as exc:
         log.info("shared memory not used with %s (%s); using the socket", node.addr, exc)

@@ -56,12 +56,20 @@ class _Pool:
     _pid = 0
 
     @classmethod
+    def _after_fork(cls) -> None:
+        """A child forked while another thread held the lock would wait on it for good."""
+        cls._lock = threading.Lock()
+
+    @classmethod
     def get(cls) -> ThreadPoolExecutor:
         with cls._lock:
             if cls._pool is None or cls._pid != os.getpid():  # a forked child needs threads of its own
                 cls._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-client")
                 cls._pid = os.getpid()
             return cls._pool
+
+
+os.register_at_fork(after_in_child=_Pool._after_fork)
 
 
 def _run_all(jobs: Sequence[Callable[[], T]]) -> list[T]:

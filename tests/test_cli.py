@@ -114,8 +114,9 @@ def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> N
 
 def test_watch_goes_on_through_a_server_restart(make_server) -> None:
     """An operator watching a server through its restart: watch exited at the first sample the
-    stopped server did not answer (its client makes no retries)."""
-    srv = make_server("--capacity", "16MiB")
+    stopped server did not answer (its client makes no retries), and at the first one a restarted
+    server refused at its connection limit (the clients that reconnected first took the slots)."""
+    srv = make_server("--capacity", "16MiB", "--max-connections", "1")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     seen: list[str] = []
     with subprocess.Popen([str(CLI), "--addr", srv.addr, "watch", "-i", "0.1", "-c", "300"],
@@ -131,11 +132,26 @@ def test_watch_goes_on_through_a_server_restart(make_server) -> None:
         until("blocks")
         srv.stop()
         until("unreachable")
-        make_server("--capacity", "16MiB", "--port", str(srv.port))
+        again = make_server("--capacity", "16MiB", "--port", str(srv.port), "--max-connections", "1")
+        with KVClient(again.addr, pool_size=1) as other:  # takes the one slot
+            other.ping()
+            until("limit")
         until("blocks")
         assert watch.poll() is None  # still watching
         watch.kill()
     assert not any(re.search(r"req/s +-|in -|out -|evict/s +-", line) for line in seen), seen
+
+
+def test_watch_with_a_count_exits_1_when_its_last_sample_found_no_server(make_server) -> None:
+    srv = make_server("--capacity", "16MiB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    with subprocess.Popen([str(CLI), "--addr", srv.addr, "watch", "-i", "0.3", "-c", "3"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as watch:
+        assert watch.stdout is not None
+        assert "blocks" in watch.stdout.readline()
+        srv.stop()
+        out, _ = watch.communicate(timeout=30)
+    assert watch.returncode == 1 and out.count("unreachable") == 2  # (was 0: a check saw no outage)
 
 
 def test_stats_lists_the_largest_namespaces_and_says_how_many(make_server) -> None:

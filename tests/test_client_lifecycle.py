@@ -403,18 +403,23 @@ def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working()
 
 def test_a_child_forked_while_another_thread_makes_a_kvclient_can_make_its_own() -> None:
     """The child of a fork taken while another thread held the lock that guards the clients' loop
-    thread (making the first KVClient) found it held for good: its first KVClient hung."""
+    thread (making the first KVClient), or the one guarding the helper threads (a large batch),
+    found it held for good: its first KVClient, or its first large put, hung."""
     from kvstore.client.sync import _LoopThread
+    from kvstore.client.workers import _Pool
     from kvstore.server.process import ServerProcess
 
     with ServerProcess("--capacity", "16MiB") as srv:
-        with _LoopThread._lock:  # (as another thread would, for the moment it starts the loop thread)
+        with _LoopThread._lock, _Pool._lock:  # (as other threads would, for a moment)
             pid = os.fork()
             if pid == 0:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (not pytest-timeout's handler: it would not end it)
                 signal.alarm(20)  # (hung: killed, and the parent sees it)
                 code = 3
                 try:
                     with KVClient(srv.addr, namespace="fork", pool_size=1) as kv:
+                        blocks = [bytes([i]) * (1 << 20) for i in range(4)]  # 4 MiB: hashed on the helpers
+                        kv.put([key(i, "fork-big") for i in range(4)], blocks)
                         code = 0 if kv.ping() > 0 else 1
                 finally:
                     os._exit(code)

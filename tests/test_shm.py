@@ -776,13 +776,15 @@ async def test_an_attach_refused_at_the_connection_limit_is_asked_again_by_a_lat
             s.close()
 
 
-async def test_an_attach_that_timed_out_is_asked_again_by_a_later_connection(
+async def test_an_attach_that_timed_out_is_asked_again_later_not_by_every_new_connection(
         make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An attach that got no answer within the connect timeout (a loaded server; here the attach
-    fails so, once, by a stand-in) turned shared memory off for that server instance for good."""
+    fails so, once, by a stand-in) turned shared memory off for that server instance for good;
+    then every new connection tried again, each waiting up to connect_timeout. Now the first new
+    connection ATTACH_RETRY_S later does."""
     import kvstore.client.shm as client_shm
 
-    make_server("--capacity", "16MiB", "--unix", unix_path)
+    make_server("--capacity", "16MiB", "--unix", unix_path, "--idle-timeout", "1")
     real, calls = client_shm.attach, []
 
     def attach_timing_out_once(*args: Any, **kw: Any) -> Any:
@@ -792,14 +794,18 @@ async def test_an_attach_that_timed_out_is_asked_again_by_a_later_connection(
         return real(*args, **kw)
 
     monkeypatch.setattr(client_shm, "attach", attach_timing_out_once)
+    monkeypatch.setattr(client_shm, "ATTACH_RETRY_S", 0.5)
     k = [key(1, "slow")]
     async with AsyncKVClient(unix(unix_path), namespace="slow", pool_size=2) as kv:
         assert kv.nodes[0].shm is None
         await kv.put(k, [b"x" * 4096])
         bufs = [[bytearray(4096)] for _ in range(8)]
         await asyncio.gather(*(kv.get_into(k, b) for b in bufs))  # the pool opens its second connection
-        assert len(calls) == 2 and kv.nodes[0].shm is not None
+        assert len(kv.nodes[0].conns) == 2 and len(calls) == 1  # ... within the wait: no attach
+        await asyncio.sleep(1.6)  # the server closes both, idle; the next call opens one
         assert all(b == [b"x" * 4096] for b in bufs)
+        assert await kv.get_into(k, bufs[0]) == [True]
+        assert len(calls) == 2 and kv.nodes[0].shm is not None
 
 
 def test_an_attach_refused_at_the_limit_is_unavailable_even_when_its_hello_cannot_be_sent(
