@@ -284,11 +284,21 @@ def render_namespaces(namespaces: dict[str, dict[str, int]], total: int | None =
     return "\n".join(rows)
 
 
+def _restarted(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
+    """Another server process answered ``cur`` than ``prev``: its start time (where an older
+    server's STATS has none: its uptime, or its request count, went back). Uptime alone missed a
+    restart whose new process had been up longer than the old one when that was sampled."""
+    if "started" in prev and "started" in cur:
+        return bool(prev["started"] != cur["started"])
+    return bool(cur.get("uptime_s", 0) < prev.get("uptime_s", 0)
+                or sum(cur.get("requests", {}).values()) < sum(prev.get("requests", {}).values()))
+
+
 def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> str:
     """One line of ``watch``: gauges now, rates since the previous sample (none across a restart:
     the counters start again from 0, and differences with the old ones would be negative)."""
     store = cur.get("store", {})
-    restarted = prev is not None and cur.get("uptime_s", 0) < prev.get("uptime_s", 0)
+    restarted = prev is not None and _restarted(prev, cur)
     if restarted:
         prev = None
 

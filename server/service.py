@@ -696,6 +696,7 @@ class Service:
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started, 3),
+            "started": round(self.started, 6),  # (Unix time: tells a restart apart from a slow sample)
             "store": self.store.stats(),
             "namespaces": self.store.namespaces(),
             "connections": c.connections,

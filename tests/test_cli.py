@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,9 +108,14 @@ def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> N
     again = make_server("--capacity", "16MiB")
     with KVClient(again.addr, namespace="w") as kv:
         after = kv.stats()
+        while after["uptime_s"] <= before["uptime_s"]:  # up longer than the old one was: uptime alone missed it
+            time.sleep(0.1)
+            after = kv.stats()
     line = watch_line(before, after, 1.0)
     assert "server restarted" in line and not re.search(r"req/s +-|in -|out -|evict/s +-", line), line
     assert "server restarted" not in watch_line(after, after, 1.0)
+    older = [{k: v for k, v in sample.items() if k != "started"} for sample in (before, after)]  # (an older server)
+    assert "server restarted" in watch_line(*older, 1.0) and "server restarted" not in watch_line(older[1], older[1], 1.0)
 
 
 def test_watch_goes_on_through_a_server_restart(make_server) -> None:
