@@ -161,16 +161,15 @@ class Keep:
 
     With a parent that is not stored or stranded (evicted, refused), the block
     will be stranded itself: it may evict only stranded blocks, never one a
-    lookup reaches. ``strict``: refuse (``CapacityError``) a block for which
-    nothing else is left to evict -- so a chain longer than the capacity keeps
-    its head. Not strict where a lower tier holds what memory evicts (the
-    chain, a missing parent): the block is room made for as without a keep.
+    lookup reaches; and is refused (``CapacityError``) where nothing else is
+    left to evict -- so a chain longer than the capacity keeps its head. (A
+    server with a lower tier, which holds what memory evicts, uses no keep.)
     """
 
-    __slots__ = ("ns", "parent", "strict", "keys", "edge")
+    __slots__ = ("ns", "parent", "keys", "edge")
 
-    def __init__(self, ns: str, parent: bytes, *, strict: bool = True) -> None:
-        self.ns, self.parent, self.strict = ns, parent, strict
+    def __init__(self, ns: str, parent: bytes) -> None:
+        self.ns, self.parent = ns, parent
         self.keys: set[bytes] = set()  # the chain's keys met so far
         self.edge: bytes | None = None  # of those, the one nearest the head
 
@@ -329,8 +328,9 @@ class BlockStore:
             InvalidRequest: bad namespace, key or size.
             TooLarge: ``size`` is over the capacity or ``max_block_size``.
             CapacityError: no room even after evicting every unpinned block (nothing
-                is evicted then); or, with a strict ``keep``, no room but by evicting the
-                chain (blocks met before the chain may have been evicted).
+                is evicted then); or, with ``keep``, no room but by evicting the chain, or
+                a reachable block for a block that will be stranded (blocks met before, or
+                stranded ones, may have been evicted then).
         """
         _check_ns(ns)
         check_key(key)
@@ -397,6 +397,24 @@ class BlockStore:
             self._stranded += 1
             self._policy.demote(block.pkey)
         return True
+
+    def join(self, ns: str, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+        """A put batch's keys, committed: one chain, in order, after ``parent``. Its stranded blocks
+        whose predecessor there is reachable are joined to it and reachable again, as a lookup of
+        the chain would make them (a put that filled the chain's gap). O(len(keys)) while any block
+        is stranded, else nothing."""
+        if not self._stranded:
+            return
+        ns_blocks = self._blocks.get(ns, {})
+        prev = None if parent is None else ns_blocks.get(parent)
+        for key in keys:
+            block = ns_blocks.get(key)
+            if block is not None and block.stranded and prev is not None and not prev.stranded and block is not prev:
+                self._relink(ns_blocks, block, prev)
+                block.stranded = False
+                self._stranded -= 1
+                self._policy.touch([block.pkey], prev.pkey)
+            prev = block
 
     def count_stored(self, n: int) -> None:
         """Count ``n`` blocks committed uncounted as stored (a lower tier took them)."""
@@ -588,6 +606,11 @@ class BlockStore:
         finally:
             self.release(ref)
 
+    def stranded(self, ns: str, key: bytes) -> bool:
+        """Whether ``key`` is stored but out of every lookup's reach (its predecessor is gone)."""
+        block = self._blocks.get(ns, {}).get(key)
+        return block is not None and block.stranded
+
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (no touch)."""
         _check_ns(ns)
@@ -729,8 +752,8 @@ class BlockStore:
         self._reserved_pages -= res.pages
 
     def _make_room(self, pages: int, keep: Keep | None = None) -> None:
-        """Evict until ``pages`` are free, or raise CapacityError (having evicted nothing, but
-        stranded blocks and blocks met before a kept chain)."""
+        """Evict until ``pages`` are free, or raise CapacityError (having evicted nothing, but with
+        ``keep``: stranded blocks, and blocks met before its chain)."""
         arena = self._arena
         if arena.free_pages >= pages:
             return
@@ -738,8 +761,6 @@ class BlockStore:
         evictable = self._index_pages - self._pinned_pages
         if arena.free_pages + evictable < pages:
             self._no_room(pages, evictable)
-        if keep is not None and not keep.strict and not self._reachable(keep):
-            keep = None  # (a lower tier may hold the parent)
         spared: list[BlockKey] = []
         protected = self._sparing(keep, spared) if keep is not None and self._reachable(keep) else self._is_protected
         try:
@@ -748,17 +769,10 @@ class BlockStore:
                 if orphan and spared:  # a block of the chain met out of order was evicted: it broke
                     self._put_back(spared, None)
                     spared.clear()
-                if orphan and keep is not None and not keep.strict:
-                    keep, protected, orphan = None, self._is_protected, False
                 pkey = self._policy.evict(self._is_protected if orphan else protected, stranded_only=orphan)
                 if pkey is None:
                     if keep is None:
                         raise RuntimeError("eviction policy out of step with the store's pin accounting")
-                    if not keep.strict:  # (a tier holds the chain: evicted after all)
-                        self._put_back(spared, None)
-                        spared.clear()
-                        keep, protected = None, self._is_protected
-                        continue
                     self._no_room(pages, self._index_pages - self._pinned_pages, "orphan" if orphan else "chain")
                 block = self._blocks[pkey[0]][pkey[1]]
                 self._drop(block)

@@ -122,9 +122,11 @@ class PutSink:
         self.twins: dict[int, int] = {}  # a key's second copy in the batch -> its first
         self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
-        # The stored chain the next block continues: the PUT's parent, then the last block found stored
-        # or refused (with a tier, which holds what memory evicts, not at all costs: kvstore.store.Keep).
-        self.keep = None if msg.parent is None else Keep(ns, msg.parent, strict=tier is None)
+        # The stored chain the next block continues (kvstore.store.Keep): the PUT's parent, then the last
+        # block found stored or refused -- but a stranded one a block before it in the batch is filling
+        # the gap for, which the commit joins to it. None with a tier: it holds what memory evicts.
+        self.keep = None if msg.parent is None or tier is not None else Keep(ns, msg.parent)
+        self.filling = False  # a block was reserved since self.keep was set
 
     def target(self, i: int) -> list[memoryview] | None:
         if not self.sizes[i]:
@@ -137,8 +139,12 @@ class PutSink:
         """Reserve block ``i`` (None: dropped; its status says why). ``in_order``: the batch's
         blocks before it were reserved before it (they name the chain it continues)."""
         res = self._reserve(i, self.keep if in_order else None)
-        if res is None and in_order:  # stored already, or refused: what the next block continues
-            self.keep = Keep(self.ns, self.msg.keys[i], strict=self.tier is None)
+        if not in_order or self.tier is not None:
+            return res
+        if res is not None:
+            self.filling = True
+        elif not (self.filling and self.status[i] == EXISTED and self.store.stranded(self.ns, self.msg.keys[i])):
+            self.keep, self.filling = Keep(self.ns, self.msg.keys[i]), False  # what the next block continues
         return res
 
     def _reserve(self, i: int, keep: Keep | None) -> Reservation | None:
@@ -195,6 +201,7 @@ class PutSink:
                     if (ref := self.store.acquire(self.ns, keys[i])) is not None:
                         self.existing[i] = ref
         self.reservations = []
+        self.store.join(self.ns, keys, self.msg.parent)  # (a batch that filled a gap: what follows it is reachable)
         # The same key again in the batch shares the outcome of the copy that stored it.
         self.twins = {i: first[k] for i, k in enumerate(keys) if self.status[i] == EXISTED and first.get(k, i) != i}
         existing, self.existing = self.existing, {}

@@ -374,10 +374,35 @@ async def test_a_put_continuing_a_chain_never_evicts_that_chain(make_server: Mak
             await kv.put(a[4:], [data(k, 1000) for k in a[4:]], parent=a[3])
         assert info.value.result.statuses == ["failed", "failed"]
         assert await kv.lookup(a) == 4
+        with pytest.raises(CapacityError, match="parent is not stored"):  # (an engine's store in flight)
+            await kv.put(a[5:], [data(a[5], 1000)], parent=a[4])  # its parent was refused: not a reachable block's room
+        assert await kv.lookup(a) == 4
         assert [bytes(b) for b in await kv.get(a[:4])] == [data(k, 1000) for k in a[:4]]
         stats = await kv.stats()
     assert stats["store"]["stranded_blocks"] == 0 and stats["store"]["evictions"] == 2
-    assert stats["shm"]["puts"] == (5 if transport == "shm" else 0)
+    assert stats["shm"]["puts"] == (6 if transport == "shm" else 0)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_put_filling_a_chains_gap_stores_what_follows_and_joins_the_chain(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """A chain lost a block in its middle (deleted, or evicted while the rest was being read); a
+    prompt restating the chain fills the gap. The blocks after the gap, found stored but stranded,
+    made the put's later blocks count as continuing nothing, refused in a full store."""
+    srv = make_server("--capacity", "512KiB", "--page-size", "64KiB", "--unix", unix_path)  # 8 blocks
+    c = [key(i, "gap") for i in range(8)]
+    o = [key(i, "gap-other") for i in range(2)]
+    addr = srv.addr if transport == "tcp" else unix(unix_path)
+    async with AsyncKVClient(addr, namespace="gap", pool_size=1) as kv:
+        await kv.put(c[:6], [data(k, 1000) for k in c[:6]])
+        await kv.put(o, [data(k, 1000) for k in o])  # full
+        assert await kv.delete([c[2]]) == 1  # c3..c5 stranded
+        res = await kv.put(c[2:], [data(k, 1000) for k in c[2:]], parent=c[1])
+        assert res.statuses == ["stored", "existed", "existed", "existed", "stored", "stored"]
+        stats = (await kv.stats())["store"]
+        assert stats["stranded_blocks"] == 0  # joined at the commit, before any lookup
+        assert await kv.lookup(c) == 8 and await kv.exists(o) == [False, False]
+        assert [bytes(b) for b in await kv.get(c)] == [data(k, 1000) for k in c]
 
 
 # ---------------------------------------------------------------- a client killed mid-put

@@ -736,12 +736,28 @@ def test_a_chain_longer_than_the_store_keeps_its_head_and_refuses_its_tail(polic
     assert store.stats()["stranded_blocks"] == 0
 
 
-def test_where_a_lower_tier_holds_the_chain_it_is_evicted_rather_than_the_block_refused(policy: str) -> None:
-    store = make(policy, 3)
-    put_batch(store, [0, 1, 2])
-    res = store.reserve(NS, k(3), PS, keep=Keep(NS, k(2), strict=False))  # -> evicts [2], as without a keep
-    assert res is not None and store.commit(res, parent=k(2))
-    assert present(store, [0, 1, 2, 3]) == [0, 1, 3] and store.stats()["stranded_blocks"] == 1
+def test_a_put_stops_sparing_a_chain_once_its_own_eviction_broke_it() -> None:
+    """ARC, the chain's head read again (T2), its tail in T1, and ARC's target taking T2 first: the
+    eviction meets the head before the parent and takes it, which strands the parent. The put
+    went on sparing the stranded tail, and evicted the last reachable block of the chain too."""
+    store = make("arc", 8)
+    for i in range(4):  # ARC's target p grows to 2: blocks evicted from T1 and stored again
+        put_batch(store, [f"t{i}"])
+        store.lookup(NS, [k(f"t{i}")])
+    for name in ["f0", "f1", "f2", "f3", "g0", "g1", "f0", "f1"]:
+        put_batch(store, [name])
+    store.flush(NS)
+    put_batch(store, ["c1"])
+    put_batch(store, ["c2"], after="c1")
+    store.lookup(NS, [k("c1"), k("c2")])  # the head read again: T2
+    for i in range(4):
+        put_batch(store, [f"o{i}"])
+        store.lookup(NS, [k(f"o{i}")])
+    put_batch(store, ["c3"], after="c2")
+    put_batch(store, ["c4"], after="c3")  # the tail: T1
+    put_batch(store, ["c5"], after="c4", size=2 * PS)  # -> evicts c2 (stranding c3, c4), then c4: not c1
+    assert present(store, ["c1", "c2", "c3", "c4"]) == ["c1", "c3"]
+    assert store.lookup(NS, [k("c1")]) == 1 and len(store.policy) == store.stats()["blocks"]
 
 
 def test_the_run_of_the_chain_met_goes_back_before_the_rest_of_its_chain(policy: str) -> None:
@@ -880,7 +896,7 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int, sweep_at: in
         chain = pool[start : start + rng.randint(1, 4)]
         if op < 0.35:  # a PUT batch, as the server runs it; half of them continue a stored chain
             parent = pool[start - 1] if start and rng.random() < 0.5 else None
-            keep = None if parent is None else Keep(ns, parent, strict=rng.random() < 0.5)
+            keep = None if parent is None else Keep(ns, parent)
             for i, key in enumerate(chain):
                 size = rng.choice([0, 10, PS, 2 * PS + 3, 5 * PS])
                 try:
