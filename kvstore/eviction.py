@@ -136,7 +136,6 @@ class _Order(Generic[K]):
         """Link ``key`` (not a member) at the back."""
         self.insert_before(key, _END)
 
-
     def __iter__(self) -> Any:
         key = self._next[_END]
         while key is not _END:
@@ -158,7 +157,6 @@ class _Queue(OrderedDict):  # type: ignore[type-arg]
 
     def append(self, key: Any) -> None:
         self[key] = None
-
 
 
 class EvictionPolicy(ABC, Generic[K]):

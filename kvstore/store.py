@@ -319,7 +319,7 @@ class BlockStore:
         A key already stored counts as read: a batch that restates a stored
         prefix (a whole prompt) takes the room for its new blocks from other
         chains, not from that prefix. ``keep``: the chain the block continues
-        (:class:`Keep`, one per batch), which is not evicted for it either.
+        (:class:`Keep`), which is not evicted for it either.
 
         Returns:
             The reservation, or ``None`` when ``(ns, key)`` is already stored.
@@ -606,10 +606,10 @@ class BlockStore:
         finally:
             self.release(ref)
 
-    def stranded(self, ns: str, key: bytes) -> bool:
-        """Whether ``key`` is stored but out of every lookup's reach (its predecessor is gone)."""
+    def reachable(self, ns: str, key: bytes) -> bool:
+        """Whether ``key`` is stored and not stranded (its predecessors, if it has any, are stored)."""
         block = self._blocks.get(ns, {}).get(key)
-        return block is not None and block.stranded
+        return block is not None and not block.stranded
 
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (no touch)."""
@@ -784,8 +784,7 @@ class BlockStore:
 
     def _reachable(self, keep: Keep) -> bool:
         """Whether the parent ``keep`` names is stored and reachable (so the new block will be)."""
-        parent = self._blocks.get(keep.ns, {}).get(keep.parent)
-        return parent is not None and not parent.stranded
+        return self.reachable(keep.ns, keep.parent)
 
     def _sparing(self, keep: Keep, spared: list[BlockKey]) -> Callable[[BlockKey], bool]:
         """The eviction filter of a block continuing ``keep``'s chain: pinned blocks, and the chain
@@ -836,8 +835,8 @@ class BlockStore:
             return format_size(n * arena.page_size)
 
         why = {"chain": " (all of it the stored chain this block continues)",
-               "orphan": " (none of it stranded: the block's parent is not stored, so no lookup would reach it, "
-                         "and it may not take a reachable block's room)"}.get(left, "")
+               "orphan": " (none of it stranded: the block's parent is not stored, or stranded itself, so no lookup "
+                         "would reach the block, and it may not take a reachable block's room)"}.get(left, "")
         raise CapacityError(
             f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
             f"{size(evictable)} evictable{why}, {size(self._pinned_pages)} pinned (leases, reads), "

@@ -123,8 +123,9 @@ class PutSink:
         self.waits: dict[int, asyncio.Future[Unavailable | None]] = {}  # found in memory while its tier write ran
         self.empty: list[int] = []  # reserved at the commit
         # The stored chain the next block continues (kvstore.store.Keep): the PUT's parent, then the last
-        # block found stored or refused -- but a stranded one a block before it in the batch is filling
-        # the gap for, which the commit joins to it. None with a tier: it holds what memory evicts.
+        # block found stored or refused -- but a stranded one after a block that will be reachable (a new
+        # one, filling a gap; the kept chain), which the commit joins to it. None with a tier: it holds
+        # what memory evicts.
         self.keep = None if msg.parent is None or tier is not None else Keep(ns, msg.parent)
         self.filling = False  # a block was reserved since self.keep was set
 
@@ -141,10 +142,13 @@ class PutSink:
         res = self._reserve(i, self.keep if in_order else None)
         if not in_order or self.tier is not None:
             return res
+        key = self.msg.keys[i]
         if res is not None:
             self.filling = True
-        elif not (self.filling and self.status[i] == EXISTED and self.store.stranded(self.ns, self.msg.keys[i])):
-            self.keep, self.filling = Keep(self.ns, self.msg.keys[i]), False  # what the next block continues
+        elif (self.status[i] != EXISTED or self.store.reachable(self.ns, key)
+              or not (self.filling or (self.keep is not None and self.store.reachable(self.ns, self.keep.parent)))):
+            self.keep, self.filling = Keep(self.ns, key), False  # what the next block continues
+        # (else: stored but stranded after a block that will be reachable; the commit joins it to that)
         return res
 
     def _reserve(self, i: int, keep: Keep | None) -> Reservation | None:

@@ -405,6 +405,25 @@ async def test_a_put_filling_a_chains_gap_stores_what_follows_and_joins_the_chai
         assert [bytes(b) for b in await kv.get(c)] == [data(k, 1000) for k in c]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_put_continuing_a_restored_parent_through_its_stranded_child_is_stored(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """E's child S stayed, stranded, while E was evicted and stored again alone; a put of [S, N]
+    after E: N was refused as continuing nothing (S stranded), though the commit joins S to E."""
+    srv = make_server("--capacity", "384KiB", "--page-size", "64KiB", "--unix", unix_path)  # 6 blocks
+    e, s, n = (key(i, "restored") for i in range(3))
+    o = [key(i, "restored-other") for i in range(4)]
+    addr = srv.addr if transport == "tcp" else unix(unix_path)
+    async with AsyncKVClient(addr, namespace="restored", pool_size=1) as kv:
+        await kv.put([e, s], [data(e, 1000), data(s, 1000)])
+        assert await kv.delete([e]) == 1  # s stranded
+        await kv.put([e], [data(e, 1000)])  # back alone: s stays stranded
+        await kv.put(o, [data(k, 1000) for k in o])  # full
+        res = await kv.put([s, n], [data(s, 1000), data(n, 1000)], parent=e)
+        assert res.statuses == ["existed", "stored"]
+        assert await kv.lookup([e, s, n]) == 3 and (await kv.stats())["store"]["stranded_blocks"] == 0
+
+
 # ---------------------------------------------------------------- a client killed mid-put
 
 _KILLED_WRITER = textwrap.dedent("""

@@ -801,7 +801,7 @@ def test_a_block_whose_parent_is_not_stored_takes_only_a_stranded_blocks_room(po
     store = make(policy, 5)
     put_batch(store, [0, 1, 2])
     put_batch(store, ["s0", "s1"])
-    with pytest.raises(CapacityError, match="parent is not stored, so no lookup would reach it"):
+    with pytest.raises(CapacityError, match="parent is not stored, or stranded itself, so no lookup would reach the block"):
         put_batch(store, [4], after=3)  # 3 was refused: 4 continues nothing stored
     assert store.stats()["evictions"] == 0
     store.delete(NS, [k("s0")])  # s1 stranded, a page free
