@@ -194,6 +194,7 @@ def test_a_blocking_client_used_after_fork_raises_in_the_child() -> None:
         kv.put(make_keys("f", 1), [b"x"])
         pid = os.fork()
         if pid == 0:  # the child: its copy of the client has no loop thread behind it
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would not end a hung child)
             signal.alarm(10)  # (it used to wait forever)
             try:
                 kv.exists(make_keys("f", 1))

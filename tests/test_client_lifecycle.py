@@ -352,6 +352,7 @@ def test_an_async_client_used_in_a_forked_child_raises_there_and_the_parent_keep
             (conn,) = kv.nodes[0].conns
             pid = os.fork()
             if pid == 0:  # the child: a loop of its own, the inherited client
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would not end a hung child)
                 signal.alarm(20)
                 code = 3
                 try:
@@ -384,6 +385,7 @@ def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working()
         kv.put([key(1, "fork")], [b"P" * 4096])
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would not end a hung child)
             signal.alarm(20)
             code = 3
             try:
@@ -413,7 +415,7 @@ def test_a_child_forked_while_another_thread_makes_a_kvclient_can_make_its_own()
         with _LoopThread._lock, _Pool._lock:  # (as other threads would, for a moment)
             pid = os.fork()
             if pid == 0:
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (not pytest-timeout's handler: it would not end it)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would not end a hung child)
                 signal.alarm(20)  # (hung: killed, and the parent sees it)
                 code = 3
                 try:
