@@ -25,6 +25,7 @@ from kvstore.errors import (
     TransportError, Unauthorized, from_code,
 )
 from kvstore.keys import check_keys
+from kvstore.messages import MAX_NAMESPACE
 from kvstore.protocol import (
     DEFAULT_LIMITS, EXISTED, STORED, Delete, Exists, Flush, Get, Limits, Lookup, Message, Ping, Put, Stats, Unpin,
     flat_bytes, iter_payload,
@@ -121,7 +122,7 @@ class AsyncKVClient:
             raise InvalidRequest(f"a server address is a string, got {addrs!r}")
         if len(set(addrs)) != len(addrs):
             raise InvalidRequest(f"server addresses must be distinct, got {addrs}")
-        self.namespace = namespace
+        self.namespace = _namespace(namespace)
         if token is not None and not isinstance(token, str):
             raise InvalidRequest(f"token must be a string, got {type(token).__name__}")
         # (not the leading: in the server's "GLOB: TOKEN" lines the space is part of the token)
@@ -597,9 +598,9 @@ class AsyncKVClient:
         return await self._count(_checked_keys(keys), lambda sub: Unpin(keys=sub), idempotent=False)
 
     async def flush(self, namespace: str | None = None) -> int:
-        """Delete every block of a namespace (this client's by default) on every server."""
-        resps = await asyncio.gather(*(n.call(Flush(namespace=namespace or self.namespace), idempotent=True)
-                                       for n in self.nodes))
+        """Delete every block of a namespace (this client's when None) on every server."""
+        ns = self.namespace if namespace is None else _namespace(namespace)  # ("" would mean the own one)
+        resps = await asyncio.gather(*(n.call(Flush(namespace=ns), idempotent=True) for n in self.nodes))
         return sum(replies.count(r.fields, "n") for r in resps)
 
     async def stats(self) -> dict[str, Any]:
@@ -717,6 +718,16 @@ def _refuse_overlaps(views: Sequence[memoryview]) -> None:
     for (start, size, i), (nxt, _, j) in zip(spans, spans[1:]):
         if start + size > nxt:
             raise InvalidRequest(f"buffers {min(i, j)} and {max(i, j)} share memory: each block needs its own")
+
+
+def _namespace(value: Any) -> str:
+    """A namespace as the server takes it in HELLO: checked here, not at the first call (or, for
+    ``flush``, not taken as the own one, which an empty name means on the wire)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAMESPACE:
+        shown = repr(value)
+        raise InvalidRequest(f"a namespace is a string of 1..{MAX_NAMESPACE} characters, got "
+                             f"{shown if len(shown) <= 60 else shown[:50] + '... (' + str(len(value)) + ' long)'}")
+    return value
 
 
 def _seconds(name: str, value: Any, zero: bool = False) -> float | None:

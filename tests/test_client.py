@@ -233,11 +233,25 @@ def test_an_interrupted_blocking_call_writes_nothing_into_its_buffer_after_it_ra
 
 
 @pytest.mark.parametrize("setting", [{"recycle_bytes": "x"}, {"recycle_bytes": None}, {"split_bytes": "x"},
-                                     {"split_bytes": -1}, {"limits": None}, {"pool_size": 0}, {"shm": "yes"}])
+                                     {"split_bytes": -1}, {"limits": None}, {"pool_size": 0}, {"shm": "yes"},
+                                     {"namespace": ""}, {"namespace": "n" * 257}, {"namespace": None}])
 def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict[str, object]) -> None:
-    """(they raised TypeError or AttributeError, one only at the first get; pool_size=0 meant 1)"""
+    """(they raised TypeError or AttributeError, one only at the first get; pool_size=0 meant 1; a bad
+    namespace was refused by the server's HELLO at the first call)"""
     with pytest.raises(InvalidRequest, match=next(iter(setting))):
         AsyncKVClient("127.0.0.1:7600", **setting)  # type: ignore[arg-type]
+
+
+async def test_flush_of_an_empty_or_non_string_namespace_is_refused_not_taken_for_the_own(kv_server: ServerProcess) -> None:
+    """(``namespace or self.namespace``: flush("") -- an unset variable, say -- emptied the client's own)"""
+    async with AsyncKVClient(kv_server.addr, namespace="flush-own") as kv:
+        keys = make_keys("flush-own", 3)
+        await kv.put(keys, [b"x" * 100] * 3)
+        for bad in ("", 0, False, b"", "n" * 257):
+            with pytest.raises(InvalidRequest, match="namespace is a string of 1..256 characters"):
+                await kv.flush(bad)  # type: ignore[arg-type]
+        assert await kv.exists(keys) == [True] * 3
+        assert await kv.flush("other") == 0 and await kv.flush() == 3
 
 
 @pytest.mark.parametrize("lease_ms", [10**30, 0, -5, 2.5, "5"])
