@@ -45,7 +45,8 @@ import xxhash
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
-    AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
+    AskError, ClusterDownError, NoPermissionError, ReadOnlyError, RedisClusterException, RedisError, ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -84,7 +85,7 @@ _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutErro
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
 _BULK_LEN = 512 << 20  # Redis's default proto-max-bulk-len: it drops a client that sends a longer value
-_PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded
+_PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded (asked at most once a second: app.py)
 
 
 def _command_error(result: Any) -> bool:
@@ -407,7 +408,7 @@ class RedisTier(Tier):
 
     async def _ping(self) -> None:
         if not isinstance(self.client, RedisCluster):
-            await self.client.ping()
+            await self._ping_master()
             return
         # Every master must answer *and* see the cluster as ok: a master that just came back
         # answers PING before the cluster agrees it is up, and writes fail until then.
@@ -416,6 +417,21 @@ class RedisTier(Tier):
         bad = [node or "cluster" for node, i in per_node.items() if i.get("cluster_state") != "ok"]
         if bad:
             raise RedisError(f"cluster_state is not ok on {', '.join(sorted(bad))}")
+
+    async def _ping_master(self) -> None:
+        """Probe a plain Redis: it must answer and take writes. A replica (an old master a failover
+        demoted, or the wrong address) answers PING and refuses every write with READONLY: taken for
+        up, the tier went down and up again once a second. ``ROLE`` tells; a Redis whose ACL
+        refuses it is probed with PING alone."""
+        try:
+            role = await self.client.execute_command("ROLE")
+        except NoPermissionError:
+            await self.client.ping()
+            return
+        if role and role[0] in (b"slave", "slave", b"replica", "replica"):
+            host = role[1].decode(errors="replace") if isinstance(role[1], bytes) else role[1]
+            master = f"{host}:{role[2]}" if len(role) > 2 else "its master"
+            raise ReadOnlyError(f"a replica of {master} (ROLE): it takes no writes; give --redis the master")
 
     async def check_health(self) -> None:
         """Probe Redis: notices an outage with no traffic, and a recovery (back-off while degraded)."""

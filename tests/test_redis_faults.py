@@ -320,6 +320,50 @@ async def test_a_put_of_another_namespace_does_not_wait_for_a_flush(make_redis, 
 
 
 
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_a_redis_demoted_to_a_replica_is_one_steady_outage_until_it_is_a_master_again(
+        make_redis, make_server, mode: str) -> None:
+    """A replica (an old master after a failover demoted it) answers PING and refuses writes with
+    READONLY: the probe took it for up, so write-behind went degraded and recovered once a second
+    (an outage counted and two warnings each time) and write-through showed the tier up between
+    refused puts."""
+    master, redis = make_redis(), make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", mode, "--redis-timeout", "1")
+    before, during = chain(2, "before-demotion"), chain(2, "while-a-replica")
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=20) as kv:
+        assert (await kv.put(before, blocks(before, 1000))).stored == 2
+        await until_stats(kv, "the queue to drain", tier_is(backlog_blocks=0))
+        redis.cli("REPLICAOF", "127.0.0.1", str(master.port))
+        try:
+            await kv.put(during, blocks(during, 1000))  # write-behind: queued; write-through: refused
+        except Unavailable:
+            assert mode == "write-through"
+        await until_stats(kv, "the tier to be degraded", tier_is(state="degraded"))
+        failures = (await kv.stats())["tier"]["failures"]
+        await until_stats(kv, "three more failed probes", lambda st: st["tier"]["failures"] >= failures + 3)
+        tier = (await kv.stats())["tier"]
+        assert tier["state"] == "degraded" and tier["outages"] == 1, tier
+        assert "a replica of 127.0.0.1:" in tier["last_error"]
+        assert not any("redis tier recovered" in line for line in list(srv.log))
+        redis.cli("REPLICAOF", "NO", "ONE")
+        await until_stats(kv, "the tier to recover", tier_is(state="ok", backlog_blocks=0))
+        again = (await kv.put(during, blocks(during, 1000))).statuses  # (write-behind: queued, now written)
+        assert again == ["existed" if mode == "write-behind" else "stored"] * 2
+    assert in_redis(redis, NS, during) == [True, True]
+
+
+async def test_a_redis_user_not_allowed_role_is_probed_with_ping(make_redis, make_server) -> None:
+    """(the probe asks ROLE, to tell a replica; an ACL may refuse it: PING alone then)"""
+    redis = make_redis()
+    redis.cli("ACL", "SETUSER", "norole", "on", ">pw-norole", "~*", "+@all", "-role")
+    srv = make_server("--capacity", MEM, "--redis", f"redis://norole:pw-norole@127.0.0.1:{redis.port}/0")
+    [key] = chain(1, "norole")
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
+        assert (await kv.stats())["tier"]["state"] == "ok"
+        assert (await kv.put([key], [b"x" * 100])).stored == 1
+    assert in_redis(redis, NS, [key]) == [True]
+
+
 def test_a_redis_that_resets_each_connection_is_an_outage_not_a_crash() -> None:
     """Under uvloop, redis-py writing on a connection reset right after its accept raises a bare
     RuntimeError ("unable to perform operation on <TCPTransport closed=True>"): it used to escape the
