@@ -132,6 +132,15 @@ class ServerConfig:
         if self.redis_mode != "write-through" and not (self.redis or self.redis_cluster):
             raise ValueError(f"--redis-mode {self.redis_mode} needs a Redis tier (--redis or --redis-cluster)")
 
+    def idle_redis_flags(self) -> list[str]:
+        """The Redis tier's settings changed from their defaults on a server without a tier (a
+        forgotten --redis, say): they do nothing, which the server says at start."""
+        if self.redis or self.redis_cluster:
+            return []
+        default = ServerConfig()
+        return ["--" + name.replace("_", "-") for name in ("redis_queue_bytes", "redis_ttl", "redis_timeout")
+                if getattr(self, name) != getattr(default, name)]
+
     def limits(self) -> Limits:
         """The codec limits these settings ask for; the meta limit grows with the batch limit."""
         return Limits(max_meta=max(4 << 20, self.max_batch * 256), max_payload=self.max_frame_size,

@@ -106,6 +106,7 @@ def _poll_window(text: str) -> int:
 
 
 def _policy(text: str) -> str:
+    text = text.lower()  # (as --log-level: ARC is arc)
     if text not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown eviction policy {text!r}; choose one of {', '.join(POLICIES)}")
     return text

@@ -209,6 +209,25 @@ def test_settings_an_operator_gets_wrong_say_so_in_one_line(tmp_path: Path) -> N
         redis.stop()
 
 
+def test_redis_settings_without_a_redis_tier_are_said_to_do_nothing() -> None:
+    """(a forgotten --redis: --redis-ttl and the others were taken without a word)"""
+    from kvstore.server.cli import config_from_args
+
+    assert config_from_args(["--redis-ttl", "60", "--redis-timeout", "9"]).idle_redis_flags() == \
+        ["--redis-ttl", "--redis-timeout"]
+    assert config_from_args(["--redis-ttl", "60", "--redis", "redis://127.0.0.1:1/0"]).idle_redis_flags() == []
+    assert config_from_args(["--redis-timeout", "2"]).idle_redis_flags() == []  # (the default, given)
+    with ServerProcess("--capacity", "8MiB", "--redis-queue-bytes", "1MiB") as srv:
+        assert "--redis-queue-bytes set without a Redis tier (--redis or --redis-cluster): no effect" in \
+            srv.wait_log("no effect")
+
+
+def test_the_eviction_policy_is_taken_in_any_case() -> None:
+    from kvstore.server.cli import config_from_args
+
+    assert config_from_args(["--eviction", "ARC"]).eviction == "arc"  # (as --log-level INFO; was refused)
+
+
 def test_a_setting_from_the_environment_is_named_with_its_variable(tmp_path: Path, taken_port: int) -> None:
     """The message names the flag; an operator who never typed that flag is told where it came from."""
     missing = tmp_path / "token"
@@ -280,6 +299,7 @@ def test_the_server_says_it_is_pre_faulting_before_it_listens() -> None:
     (("ping", "-c", "x"), "argument --count/-c: expected a whole number >= 1, got 'x'"),
     (("watch", "-i", "-1"), "argument --interval/-i: expected a number of seconds >= 0, got '-1'"),
     (("-n", "", "stats"), "argument --namespace/-n: expected a namespace of 1..256 characters, got ''"),
+    (("get", "00", "-o", "x", "--hex"), "argument --hex: not allowed with argument --output/-o"),  # (was: the file)
 ])
 def test_cli_flag_errors_say_what_was_expected(args: tuple[str, ...], expected: str) -> None:
     r = cli("--addr", dead_addr(), *args)
