@@ -179,7 +179,8 @@ class KVStoreSettings:
         quarantine_s: ``kvstore_quarantine_s``: after a scheduler request to a server
             times out (or cannot connect), that server is not asked for this long (doubled
             while it stays silent, up to 8x): its lookups miss at once. 0: every request
-            tries. The workers' stores too are skipped for that long after one timed out;
+            tries. The workers' stores too are skipped for that long after one timed out or
+            could not connect (a server restarted meanwhile misses those stores);
             their loads always try (a load that fails stops vLLM unless through :class:`KVStoreConnector`).
         switch_interval_ms: ``kvstore_switch_interval_ms``: set Python's thread switch
             interval (``sys.setswitchinterval``, 5 ms by default) in the processes that load the
