@@ -202,6 +202,7 @@ class Engine:
         self._gpu_block_index: dict[int, int] = {}  # GPU block id -> its index in its request
         self._log = StepLog()
         self._pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # async: previous step
+        self.sampled = False  # whether the last step sampled a token (not only chunks of prompts)
 
     # -- requests
     def new_request(self, token_ids: list[int], kv_transfer_params: dict[str, Any] | None = None) -> Request:
@@ -217,7 +218,7 @@ class Engine:
 
     # -- stepping
     def run(self, decoded_tokens: list[int]) -> StepLog:
-        """Step until ``decoded_tokens`` are sampled, one per step that runs a forward pass
+        """Step until ``decoded_tokens`` are sampled, one per step that samples (a forward pass past a prompt)
         (steps that only wait for loads sample nothing), and after an EOS until the scheduler
         holds no request; returns the transfers that ran meanwhile.
         """
@@ -226,8 +227,8 @@ class Engine:
         for _ in range(len(tokens) + 20):
             if not tokens:
                 break
-            out = self.step(tokens[0])
-            if out.num_scheduled_tokens:  # a forward pass ran: it sampled this token
+            self.step(tokens[0])
+            if self.sampled:  # a forward pass ran and a request past its prompt sampled this token
                 tokens.pop(0)
         else:
             raise AssertionError(f"{len(tokens)} tokens were never sampled")
@@ -248,7 +249,8 @@ class Engine:
         raise AssertionError("the engine did not drain")
 
     def step(self, token_id: int | None, like_vllm: bool = False) -> SchedulerOutput:
-        """One engine step: schedule, transfers, a sampled ``token_id`` for every running request.
+        """One engine step: schedule, transfers, a sampled ``token_id`` for every running request
+        whose prompt is computed.
 
         ``like_vllm``: call ``wait_for_save`` in every step and wait for no transfer, as vLLM's model
         runner does; the default waits for every transfer, so that tests see each step's outcome.
@@ -271,10 +273,15 @@ class Engine:
         wc.clear_connector_metadata()
 
         req_ids = [rid for rid in out.num_scheduled_tokens]
+        # A request whose prompt is not all computed yet (a chunked prefill) samples nothing: vLLM's
+        # model runner discards its token, and the scheduler would append one handed back.
+        sampled = [[] if self.scheduler.requests[rid].is_prefill_chunk else [token_id if token_id is not None else 0]
+                   for rid in req_ids]
+        self.sampled = any(sampled)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[token_id if token_id is not None else 0] for _ in req_ids],
+            sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_sending=results.finished_sending,
                                                   finished_recving=results.finished_recving,
                                                   failed_recving=results.failed_recving,
