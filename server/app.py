@@ -203,7 +203,7 @@ class Server:
     def _new_connection(self) -> Connection | RejectedConnection:
         # A TLS connection joins self.connections once its handshake is done; until then it counts
         # here (it leaves this weak set with the protocol object when the handshake fails).
-        handshaking = sum(1 for c in self._handshaking if c.transport is None)
+        handshaking = sum(1 for c in self._handshaking if c.transport is None and not c.lost)
         if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
             return RejectedConnection(self.max_connections)
