@@ -42,6 +42,7 @@ def _parse_addr(addr: str) -> tuple[str, int]:
 
 
 _CLOSED = "the client is closed"
+_NO_ANSWER = object()  # (Node._instance_now: the server's arena instance could not be asked)
 #: How often an idle client whose connections the server closed looks at the socket file of the
 #: server whose arena it maps (Node._watch_socket).
 WATCH_S = 1.0
@@ -218,8 +219,20 @@ class Node:
     async def _check_arena(self, channel: ShmChannel) -> None:
         """Let go of ``channel`` unless the server is still there: gone (nothing listens: a stopping
         server closes its listeners first) or another instance, it is unmapped; there, or not
-        answering in time (a stall is no proof it is gone), it stays (attaching again would populate
-        the page tables of the whole arena anew). The probe connects, says HELLO and closes."""
+        answering as a server should (stalled, at its limit, or a killed one whose socket has not
+        closed yet), its socket file is watched (attaching again would populate the page tables of
+        the whole arena anew)."""
+        instance = await self._instance_now()
+        if instance is _NO_ANSWER or instance == channel.segment.instance:
+            await self._watch_socket(channel)
+        else:
+            self._unmap(channel)
+
+    async def _instance_now(self) -> object:
+        """The arena instance the server names in a new connection's HELLO: None where nothing
+        listens (or it offers none), :data:`_NO_ANSWER` where the probe got no HELLO. (Apart from
+        ``_check_arena``: a failed probe's traceback, kept in reference cycles, must not hold the
+        channel, which kept a killed server's arena mapped until a full garbage collection.)"""
         c = self.client
         try:
             if self.unix:
@@ -228,24 +241,18 @@ class Node:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), c.connect_timeout)
             writer.close()
         except OSError:
-            instance = None  # nothing listens: stopped
+            return None  # nothing listens: stopped
         except asyncio.TimeoutError:
-            return
-        else:
-            try:
-                probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token,
-                                              tls=c.tls, limits=c.limits, timeout=c.connect_timeout,
-                                              server_hostname=c.server_hostname or self.host, unix=self.unix)
-            except KVStoreError:
-                return  # something listens (a stopping server listens no more): at its limit, or slow
-            else:
-                info = probe.hello.get("shm")
-                instance = info.get("instance") if isinstance(info, dict) else None
-                await probe.aclose()
-        if instance != channel.segment.instance:
-            self._unmap(channel)
-        else:
-            await self._watch_socket(channel)
+            return _NO_ANSWER
+        try:
+            probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token,
+                                          tls=c.tls, limits=c.limits, timeout=c.connect_timeout,
+                                          server_hostname=c.server_hostname or self.host, unix=self.unix)
+        except KVStoreError:
+            return _NO_ANSWER
+        info = probe.hello.get("shm")
+        await probe.aclose()
+        return info.get("instance") if isinstance(info, dict) else None
 
     async def _watch_socket(self, channel: ShmChannel) -> None:
         """Still there, but no connection is left to notice when it stops (closed for being idle):
