@@ -17,7 +17,7 @@ from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, Transpo
 from kvstore.protocol import Message, Ping, Unpin
 
 from .connection import ClientConnection, Response, open_connection
-from .shm import ShmChannel, open_channel
+from .shm import ShmChannel, file_id, open_channel
 
 if TYPE_CHECKING:
     from .aio import AsyncKVClient
@@ -260,11 +260,11 @@ class Node:
         anew), about once a second, until a connection is open again."""
         if channel.segment.socket is None:
             return
-        path, inode = channel.segment.socket
+        path, ident = channel.segment.socket
         while self.shm is channel and not any(not c.closed for c in self.conns):
             await asyncio.sleep(WATCH_S)
             try:
-                if os.stat(path).st_ino == inode:
+                if file_id(os.stat(path)) == ident:
                     continue
             except OSError:
                 pass

@@ -68,6 +68,16 @@ _MAX_FDS = 4  # ancillary room; anything beyond the one fd we expect is closed
 # --------------------------------------------------------------------------- the mapping
 
 
+FileId = tuple[int, int, int]
+
+
+def file_id(st: os.stat_result) -> FileId:
+    """Which file a path names: device, inode and change time. (The inode alone is not enough: a
+    restarted server's socket file, made right after the dead one's was removed, took its inode
+    number again, and a client's watch took it for the old server's.)"""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
 class ShmSegment:
     """The server's block arena, mapped read-write into this process."""
 
@@ -77,7 +87,7 @@ class ShmSegment:
         self.size = len(region)
         self.page_size = page_size
         self.instance = instance
-        self.socket: tuple[str, int] | None = None  # the server's socket file (path, inode) when attached
+        self.socket: tuple[str, FileId] | None = None  # the server's socket file (path, file_id) when attached
 
     def views(self, loc: Any) -> list[memoryview]:
         """The arena byte ranges ``[[offset, length], ...]`` as views, checked against the mapping.
@@ -136,7 +146,7 @@ def attach(path: str, *, namespace: str, token: str | None, timeout: float | Non
             raise ProtocolError(f"SHM_ATTACH reply carried {len(fds)} descriptors, not 1")
         segment = _map(fds[0], fields)
         with contextlib.suppress(OSError):  # (a server that stops removes it: Node._watch_socket)
-            segment.socket = (path, os.stat(path).st_ino)
+            segment.socket = (path, file_id(os.stat(path)))
         return segment
     finally:
         sock.close()

@@ -236,6 +236,33 @@ async def test_a_client_idle_past_the_idle_timeout_still_lets_go_of_a_stopped_se
         assert arena_mappings() == mapped and kv.nodes[0].shm is None  # (was: until the next call)
 
 
+async def test_an_idle_client_lets_go_of_a_killed_servers_arena_as_the_restarted_server_starts(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A SIGKILL leaves the socket file in place, so the idle client's watch sees nothing; the
+    restarted server removes that file before it pre-faults its own arena, and the watch lets go."""
+    gc.collect()
+    mapped = arena_mappings()
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="idle") as kv:
+        await kv.put([key(1, "idle")], [b"x" * (3 << 20)])
+        for _ in range(100):
+            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
+                break
+            await asyncio.sleep(0.05)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        await asyncio.sleep(1.5)  # (the watch: the dead server's file is still there)
+        assert kv.nodes[0].shm is not None and arena_mappings() == mapped + 1
+        make_server("--capacity", "8MiB", "--unix", unix_path)
+        for _ in range(60):
+            if arena_mappings() == mapped:
+                break
+            await asyncio.sleep(0.05)
+        assert arena_mappings() == mapped and kv.nodes[0].shm is None
+        await kv.put([key(2, "idle")], [b"y" * (3 << 20)])  # the next call attaches the new arena
+        assert kv.nodes[0].shm is not None and arena_mappings() == mapped + 1
+
+
 @pytest.mark.parametrize("op", ["put", "get_into"])
 async def test_a_shm_call_made_while_its_server_restarts_is_retried(make_server: MakeServer, unix_path: str,
                                                                      op: str) -> None:
