@@ -45,9 +45,9 @@ import xxhash
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
-    AskError, ClusterDownError, NoPermissionError, ReadOnlyError, RedisClusterException, RedisError, ResponseError,
-    TryAgainError,
+    AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.config import ServerConfig, format_size
@@ -421,11 +421,11 @@ class RedisTier(Tier):
     async def _ping_master(self) -> None:
         """Probe a plain Redis: it must answer and take writes. A replica (an old master a failover
         demoted, or the wrong address) answers PING and refuses every write with READONLY: taken for
-        up, the tier went down and up again once a second. ``ROLE`` tells; a Redis whose ACL
-        refuses it is probed with PING alone."""
+        up, the tier went down and up again once a second. ``ROLE`` tells; a Redis that refuses it
+        (an ACL, ``rename-command``) is probed with PING alone."""
         try:
             role = await self.client.execute_command("ROLE")
-        except NoPermissionError:
+        except ResponseError:  # an ACL's NOPERM; renamed away (rename-command), or a proxy without it
             await self.client.ping()
             return
         if role and role[0] in (b"slave", "slave", b"replica", "replica"):
@@ -476,9 +476,15 @@ class RedisTier(Tier):
             if not self._up.is_set():  # (it went down while this one waited its turn)
                 raise self._unavailable()
             # A cluster pipeline returns a node's lost connection in its commands' places instead of
-            # reconnecting: such a result gets the pipeline sent once more (every command here may
-            # run twice: SET, GET, EXISTS, DEL, and counters that are only hints).
-            for attempt in range(2):
+            # reconnecting: such a result gets the pipeline sent again (every command here may run
+            # more than once: SET, GET, EXISTS, DEL, and counters that are only hints). redis-py
+            # checks no cluster connection before use and renews a node's idle ones only once one
+            # of them failed: with the connections of every master cut (CLIENT KILL, a proxy's idle
+            # timeout), each master may cost a try, so a lost connection gets one try per master.
+            # Anything else is tried twice.
+            tries = 2
+            attempt = 0
+            while True:
                 pipe = self.client.pipeline(transaction=False)
                 for cmd in commands:
                     pipe.execute_command(*cmd)
@@ -490,6 +496,11 @@ class RedisTier(Tier):
                 outage = next((r for r in results if isinstance(r, BaseException) and not _command_error(r)), None)
                 if outage is None:
                     return results
+                if isinstance(outage, RedisConnectionError) and isinstance(self.client, RedisCluster):
+                    tries = max(tries, 1 + len(self.client.get_primaries()))
+                attempt += 1
+                if attempt >= tries:
+                    break
         assert outage is not None
         if nbytes and isinstance(outage, (RedisTimeoutError, asyncio.TimeoutError)) and await self._answers():
             # Too many bytes for the link within --redis-timeout: this request fails, the others go on.

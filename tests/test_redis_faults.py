@@ -352,11 +352,16 @@ async def test_a_redis_demoted_to_a_replica_is_one_steady_outage_until_it_is_a_m
     assert in_redis(redis, NS, during) == [True, True]
 
 
-async def test_a_redis_user_not_allowed_role_is_probed_with_ping(make_redis, make_server) -> None:
-    """(the probe asks ROLE, to tell a replica; an ACL may refuse it: PING alone then)"""
-    redis = make_redis()
-    redis.cli("ACL", "SETUSER", "norole", "on", ">pw-norole", "~*", "+@all", "-role")
-    srv = make_server("--capacity", MEM, "--redis", f"redis://norole:pw-norole@127.0.0.1:{redis.port}/0")
+@pytest.mark.parametrize("refusal", ["acl", "renamed"])
+async def test_a_redis_that_refuses_role_is_probed_with_ping(make_redis, make_server, refusal: str) -> None:
+    """(the probe asks ROLE, to tell a replica; an ACL may refuse it, or rename-command take it away:
+    PING alone then -- a renamed ROLE's "unknown command" left the tier degraded for good)"""
+    redis = make_redis(args=["--rename-command", "ROLE", ""] if refusal == "renamed" else [])
+    url = redis.url
+    if refusal == "acl":
+        redis.cli("ACL", "SETUSER", "norole", "on", ">pw-norole", "~*", "+@all", "-role")
+        url = f"redis://norole:pw-norole@127.0.0.1:{redis.port}/0"
+    srv = make_server("--capacity", MEM, "--redis", url)
     [key] = chain(1, "norole")
     async with AsyncKVClient(srv.addr, namespace=NS, retries=0) as kv:
         assert (await kv.stats())["tier"]["state"] == "ok"
