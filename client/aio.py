@@ -726,7 +726,11 @@ def _namespace(value: Any) -> str:
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAMESPACE:
         shown = repr(value)
         raise InvalidRequest(f"a namespace is a string of 1..{MAX_NAMESPACE} characters, got "
-                             f"{shown if len(shown) <= 60 else shown[:50] + '... (' + str(len(value)) + ' long)'}")
+                             f"{shown if len(shown) <= 60 else shown[:50] + '...'}")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # (a lone surrogate, as from a file name's undecodable bytes)
+        raise InvalidRequest(f"a namespace is UTF-8 text, got {value!r}") from None
     return value
 
 

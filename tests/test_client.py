@@ -234,7 +234,8 @@ def test_an_interrupted_blocking_call_writes_nothing_into_its_buffer_after_it_ra
 
 @pytest.mark.parametrize("setting", [{"recycle_bytes": "x"}, {"recycle_bytes": None}, {"split_bytes": "x"},
                                      {"split_bytes": -1}, {"limits": None}, {"pool_size": 0}, {"shm": "yes"},
-                                     {"namespace": ""}, {"namespace": "n" * 257}, {"namespace": None}])
+                                     {"namespace": ""}, {"namespace": "n" * 257}, {"namespace": None},
+                                     {"namespace": "a\udc80"}])
 def test_bad_settings_are_invalid_requests_when_the_client_is_made(setting: dict[str, object]) -> None:
     """(they raised TypeError or AttributeError, one only at the first get; pool_size=0 meant 1; a bad
     namespace was refused by the server's HELLO at the first call)"""
