@@ -306,7 +306,10 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> s
     def rate(get: Callable[[dict[str, Any]], float]) -> float:
         return (get(cur) - get(prev)) / dt if prev is not None and dt > 0 else 0.0
 
-    reqs = rate(lambda s: sum(s.get("requests", {}).values()))
+    # Without this watch's own sample: one STATS per interval, on a connection of its own. (Its bytes,
+    # ~0.8 KB per interval, stay in: the reply's size is the server's to know.)
+    own = 1 / dt if prev is not None and dt > 0 else 0.0
+    reqs = max(0.0, rate(lambda s: sum(s.get("requests", {}).values())) - own)
     rx, tx = rate(lambda s: s.get("bytes_in", 0)), rate(lambda s: s.get("bytes_out", 0))
     ev = rate(lambda s: s.get("store", {}).get("evictions", 0))
     hit, miss = store.get("lookup_hit_keys", 0), store.get("lookup_miss_keys", 0)
@@ -316,7 +319,7 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> s
     return (f"{time.strftime('%H:%M:%S')}  blocks {store.get('blocks', 0):>8}  "
             f"used {_pct(store.get('used_bytes', 0), store.get('capacity', 0)):>6}  "
             f"req/s {reqs:>8.1f}  in {format_size(rx)}/s  out {format_size(tx)}/s  "
-            f"hit {_pct(hit, hit + miss):>6}  evict/s {ev:>6.1f}  conns {cur.get('connections', 0)}"
+            f"hit {_pct(hit, hit + miss):>6}  evict/s {ev:>6.1f}  conns {max(0, cur.get('connections', 0) - 1)}"
             + ("  (server restarted: rates from the next line)" if restarted else ""))
 
 

@@ -206,7 +206,7 @@ class Server:
         handshaking = sum(1 for c in self._handshaking if c.transport is None and not c.lost)
         if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
-            return RejectedConnection(self.max_connections)
+            return RejectedConnection(self.max_connections, self.service.counters)
         conn = Connection(self.service, self.limits, self.connections, self.poll)
         if self.tls is not None:
             self._handshaking.add(conn)

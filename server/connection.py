@@ -34,7 +34,7 @@ from kvstore.sockets import tune
 from kvstore.store import BlockRef
 
 from .poll import BusyPoll
-from .service import GetResult, PutSink, Service, error_fields
+from .service import Counters, GetResult, PutSink, Service, error_fields
 from .shm import unix_peer
 
 log = logging.getLogger(__name__)
@@ -312,6 +312,7 @@ class Connection(asyncio.BufferedProtocol):
         foreign = foreign_reply(first) if first else None
         if foreign is not None and self.transport is not None:
             self.transport.write(foreign)
+            self.service.counters.bytes_out += len(foreign)
         else:
             code, message = error_fields(exc)
             self._write(error_reply(0, code, message))
@@ -461,13 +462,16 @@ class RejectedConnection(asyncio.Protocol):
 
     _last_log = 0.0  # rate-limits the warning: a flood must not flood the log too
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, counters: Counters) -> None:
         self.limit = limit
+        self.counters = counters  # (the reply counts in bytes_out)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
         message = f"server is at its limit of {self.limit} connections; try again later"
-        transport.writelines(error_reply(0, Unavailable.code, message))
+        reply = error_reply(0, Unavailable.code, message)
+        transport.writelines(reply)
+        self.counters.bytes_out += sum(map(len, reply))
         transport.close()
         now = time.monotonic()
         if now - RejectedConnection._last_log > 10.0:

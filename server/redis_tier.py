@@ -659,8 +659,9 @@ class RedisTier(Tier):
         ask: list[int] = []
         for i, k in enumerate(keys):
             item = self.queue.get(ns, k) if len(self.queue) else None
-            if item is not None:
+            if item is not None:  # (write-behind, not yet in Redis: read through all the same)
                 out[i] = (memoryview(item.value)[HEADER_SIZE:], item.checksum)
+                self.counters["fetched_blocks"] += 1
             else:
                 ask.append(i)
         each = self._value_bytes.get(ns)

@@ -94,6 +94,18 @@ def test_stats_namespaces_ping_watch(server) -> None:
     assert r.returncode == 0 and len(lines) == 3 and all("blocks        2" in line for line in lines)
 
 
+def test_watch_leaves_its_own_sample_out_of_the_request_rate_and_connections(server) -> None:
+    """(an idle server read "req/s 1.0 ... conns 1": the watch's own STATS, on its own connection)"""
+    from kvstore.client.cli import watch_line
+    with KVClient(server.addr, namespace="w") as kv:
+        first = kv.stats()
+        second = kv.stats()
+        kv.ping()
+        third = kv.stats()
+    assert re.search(r"req/s +0\.0 .* conns 0$", watch_line(first, second, 1.0)), watch_line(first, second, 1.0)
+    assert re.search(r"req/s +1\.0 ", watch_line(second, third, 1.0))  # (the PING between)
+
+
 def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> None:
     """The counters of a restarted server start again from 0: watch subtracted the old ones and
     printed "req/s -32.9  in -196.1 KiB/s" for the first sample after a restart."""

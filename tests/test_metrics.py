@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.aio import checksum
 from kvstore.errors import TooLarge
-from kvstore.protocol import Get, Hello, Lookup, Put, encode
+from kvstore.protocol import Get, Hello, Lookup, Ping, Put, encode
 from kvstore.server.cli import config_from_args
 from kvstore.server.metrics import TIER_METRICS
 from redis_fixtures import redis_server, reserved_bytes, wait_until  # noqa: F401  (redis_server: a fixture)
@@ -108,6 +108,32 @@ async def test_counters_match_known_traffic_exactly(make_server, metrics_url) ->
     assert value(after, "process_resident_memory_bytes") > 0
     assert ("kvstore_busy_poll_seconds_total", frozenset()) in after  # (what it counts: test_poll)
     assert not any(name in TIER_METRICS for name, _ in after)
+
+
+def test_replies_written_outside_a_request_count_in_bytes_out(make_server, metrics_url) -> None:
+    """(an HTTP client's 400 and a refused connection's error frame went out uncounted)"""
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--max-connections", "1")
+    base = metrics_url(srv)
+
+    def reply_to(sent: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(sent)
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            return got
+
+    before = value(scrape(base), "kvstore_bytes_out_total")
+    http_reply = reply_to(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert http_reply.startswith(b"HTTP/1.1 400")
+    assert value(scrape(base), "kvstore_bytes_out_total") == before + len(http_reply)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as held:  # the one connection allowed
+        held.sendall(b"".join(bytes(b) for b in encode(Ping(), 1)))
+        pong = held.recv(4096)
+        assert pong[:2] == b"KV"
+        refused = reply_to(b"")
+        assert refused[:2] == b"KV" and b"limit of 1 connections" in refused
+        assert value(scrape(base), "kvstore_bytes_out_total") == before + len(http_reply) + len(pong) + len(refused)
 
 
 async def test_evictions_and_pins_are_counted(make_server, metrics_url) -> None:

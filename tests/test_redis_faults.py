@@ -320,6 +320,24 @@ async def test_a_put_of_another_namespace_does_not_wait_for_a_flush(make_redis, 
 
 
 
+async def test_blocks_read_from_the_write_behind_queue_count_as_fetched(make_redis, make_server) -> None:
+    """(a get served from the queue -- blocks evicted from memory before Redis had them -- left
+    kvstore_tier_fetched_blocks_total as it was, though the blocks came back from the tier)"""
+    redis = make_redis()
+    srv = make_server("--capacity", "1MiB", "--page-size", "64KiB", "--redis", redis.url,
+                      "--redis-mode", "write-behind", *SLOW)
+    keys = chain(18, "queued")  # 16 pages of memory: the first ones are evicted while still queued
+    data = blocks(keys, 60_000)
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=20) as kv:
+        with paused_writes(redis):
+            for k, d in zip(keys, data):
+                assert (await kv.put([k], [d])).stored == 1
+            st = await kv.stats()
+            assert st["tier"]["backlog_blocks"] == 18 and st["store"]["evictions"] >= 2
+            assert payloads(await kv.get(keys[:2])) == data[:2]
+            assert (await kv.stats())["tier"]["fetched_blocks"] == st["tier"]["fetched_blocks"] + 2
+
+
 @pytest.mark.parametrize("mode", ["write-through", "write-behind"])
 async def test_a_redis_demoted_to_a_replica_is_one_steady_outage_until_it_is_a_master_again(
         make_redis, make_server, mode: str) -> None:
