@@ -21,12 +21,15 @@ class ServerProcess:
     """A ``kvstore-server`` child bound to 127.0.0.1, stopped by :meth:`stop` or on exit of a ``with``."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 30.0,
-                 open_files: tuple[int, int] | None = None, cwd: str | None = None) -> None:
+                 open_files: tuple[int, int] | None = None, cwd: str | None = None, own_session: bool = False) -> None:
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.env = {**os.environ, **(env or {})}
         self.open_files = open_files  # (soft, hard) RLIMIT_NOFILE for the child, as ``ulimit -n`` sets it
         self.cwd = cwd  # (``python -m`` imports from the working folder first)
         self.start_timeout = start_timeout
+        # Out of the caller's process group: a terminal's Ctrl-C reaches the caller alone, which stops
+        # the server itself (kvstore-bench: a server hit mid-start said only "did not start").
+        self.own_session = own_session
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.log: list[str] = []
@@ -46,7 +49,8 @@ class ServerProcess:
                 resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env,
-                                     cwd=self.cwd, preexec_fn=limit if limits is not None else None)
+                                     cwd=self.cwd, preexec_fn=limit if limits is not None else None,
+                                     start_new_session=self.own_session)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
         if not self._listening.wait(self.start_timeout) or not self.port:

@@ -265,6 +265,24 @@ async def test_redis_stores_new_keys_and_evicts_as_kvstore_does() -> None:
         await redis.stop()
 
 
+async def test_a_kvstore_target_lets_go_of_a_cells_leases_when_the_cell_is_over() -> None:
+    """(every cell's blocks stayed leased for 10 minutes: a valid --capacity failed in the last cells,
+    and each cell ran with less room to evict than the one before)"""
+    from kvstore.bench.targets import KVStoreTarget
+
+    t = KVStoreTarget("16MiB", pool_size=1)
+    await t.start()
+    try:
+        for size in (64 * 1024, 256 * 1024):
+            ops = await t.prepare(size, 4, 1)
+            await ops["get"](0)
+            assert (await t.stats())["store"]["pinned_blocks"] == 4
+            await t.release()
+            assert (await t.stats())["store"]["pinned_blocks"] == 0
+    finally:
+        await t.stop()
+
+
 async def test_a_kvstore_target_that_fails_to_start_stops_its_server() -> None:
     from kvstore.bench.targets import KVStoreTarget
 
@@ -290,9 +308,19 @@ def test_bad_arguments_are_usage_errors_before_any_server_starts(tmp_path: Path)
         (["--conc", "get_into:x"], "--conc: expected op:batch"),
         (["--trials", "0"], "--trials: must be at least 1"),
         (["--capacity", "512XB"], "--capacity: not a size"),
+        # (these raised OverflowError, ran for ever, failed after the servers started, or after the run)
+        (["--sizes", "inf"], "--sizes: expected a comma list of positive numbers"),
+        (["--target-mib", "inf"], "--target-mib: must be a positive number"),
+        (["--conc-seconds", "inf"], "--conc-seconds: must be a positive number"),
+        (["--capacity", "1k"], "--capacity 1k: the largest cell needs at least 256MiB"),
+        (["--capacity", "64MiB", "--sizes", "4m", "--batches", "32"], "the largest cell needs at least 256MiB"),
+        (["--server-args=--bogus-flag"], "--server-args: not kvstore-server flags: --bogus-flag"),
+        (["--server-args=--capacity abc"], "--server-args: argument --capacity: not a size"),
+        (["--json", str(tmp_path / "missing" / "r.json")], "does not exist or is not writable"),
+        (["--chart", "r.pnx"], "--chart r.pnx: a file ending in .png, .svg, .pdf"),
     ]
     for args, message in cases:
-        done = subprocess.run([sys.executable, "-m", "kvstore.bench.cli", *args, "--json", "", "--chart", ""],
+        done = subprocess.run([sys.executable, "-m", "kvstore.bench.cli", "--json", "", "--chart", "", *args],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr and done.stdout == ""

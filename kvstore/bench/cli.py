@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import shlex
@@ -94,8 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SYSTEMS = ("raw", "kvstore", "kvstore-unix", "kvstore-shm", "redis", "lmcache")
+CHART_FORMATS = (".png", ".svg", ".pdf")
 PHASES = ("fill", "matrix", "lookup", "concurrency", "capacity", "memory")
 CONC_OPS = ("get_into", "get", "put")
+
+
+def matrix_capacity(args: argparse.Namespace) -> str:
+    return str(args.capacity or ("512MiB" if args.quick else "1GiB"))
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -109,7 +115,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     def positive(flag: str, parse: Any, text: str) -> None:
         try:
             values = parse(text)
-        except ValueError:
+        except (ValueError, OverflowError):  # (OverflowError: 'inf')
             values = []
         if not values or min(values) < 1:
             p.error(f"{flag}: expected a comma list of positive numbers, got {text!r}")
@@ -130,13 +136,35 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{flag.replace('_', '-')}: must be at least {0 if flag == 'small_blocks' else 1}, got {value}")
     for flag in ("target_mib", "conc_seconds", "min_seconds"):
         value = getattr(args, flag)
-        if value is not None and not value > (0 if flag != "min_seconds" else -1):
-            p.error(f"--{flag.replace('_', '-')}: must be positive, got {value}")
-    if args.capacity is not None:
+        if value is not None and not (math.isfinite(value) and value > (0 if flag != "min_seconds" else -1)):
+            p.error(f"--{flag.replace('_', '-')}: must be a positive number, got {value}")
+    try:
+        capacity = parse_size(matrix_capacity(args))
+    except ValueError as exc:
+        p.error(f"--capacity: {exc}")
+    # A cell's blocks (leased for its gets) and a put's new ones side by side, in 64 KiB pages.
+    need = 2 * max(max(parse_sizes(args.sizes)), 64 << 10) * max(parse_ints(args.batches))
+    if capacity < need:
+        p.error(f"--capacity {matrix_capacity(args)}: the largest cell needs at least {fmt_size(need)} "
+                "(its blocks, which the gets read, beside a put's new ones)")
+    if args.server_args:
+        from kvstore.server.cli import build_parser as server_parser
+
+        server = server_parser()
+        server.exit_on_error = False  # (a bad value raises, to be said as ours)
         try:
-            parse_size(args.capacity)
-        except ValueError as exc:
-            p.error(f"--capacity: {exc}")
+            _, unknown = server.parse_known_args(shlex.split(args.server_args))
+        except argparse.ArgumentError as exc:
+            p.error(f"--server-args: {exc}")
+        if unknown:
+            p.error(f"--server-args: not kvstore-server flags: {' '.join(unknown)}")
+    for flag, path, kinds in (("--json", args.json, None), ("--chart", args.chart, CHART_FORMATS)):
+        if path:  # checked now, not after a run of minutes
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                p.error(f"{flag} {path}: its folder {folder} does not exist or is not writable")
+            if kinds is not None and os.path.splitext(path)[1].lower() not in kinds:
+                p.error(f"{flag} {path}: a file ending in {', '.join(kinds)}")
 
 
 def _cpu_model() -> str:
@@ -197,7 +225,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes, batches = parse_sizes(args.sizes), parse_ints(args.batches)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    capacity = args.capacity or ("512MiB" if args.quick else "1GiB")
+    capacity = matrix_capacity(args)
     server_args = tuple(shlex.split(args.server_args))
     notes: list[str] = []
     res: dict[str, Any] = {

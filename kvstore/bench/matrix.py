@@ -110,10 +110,12 @@ async def run_matrix(targets: list[Target], sizes: list[int], batches: list[int]
                 for t, _, op, series in plan[k:] + plan[:k]:
                     await timed_rounds(op, settle)  # untimed: the switch from the system before
                     await measure(t, op, series.rounds, series)
+            for t in targets:
+                await t.release()
             for *_, series in plan:
                 s = series.summary()
                 out.append(s)
-                log(f"# {s['system']:8s} {s['op']:8s} {fmt_size(size):>6s} x{batch:<3d} {s['gbps']:7.3f} GB/s "
+                log(f"# {s['system']:12s} {s['op']:11s} {fmt_size(size):>6s} x{batch:<3d} {s['gbps']:7.3f} GB/s "
                     f"{s['blocks_per_s']:>8d} blocks/s p50={s['p50_us']:9.1f}us p99={s['p99_us']:9.1f}us "
                     f"cpu srv={s['server_cpu']} cli={s['client_cpu']} faults/4KiB srv={s['server_faults_per_page']} "
                     f"cli={s['client_faults_per_page']} trials={s['gbps_trials']}")

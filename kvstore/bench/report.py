@@ -91,7 +91,7 @@ def lookup_table(rows: list[dict[str, Any]]) -> str:
 
 
 def concurrency_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'op':9s} {'block':>6s} {'batch':>5s} {'clients':>7s} {'GB/s':>7s} {'vs 1':>6s} {'p50':>8s} {'p99':>8s} "
+    lines = [f"{'op':9s} {'block':>6s} {'batch':>5s} {'clients':>7s} {'GB/s':>7s} {'vs 1st':>6s} {'p50':>8s} {'p99':>8s} "
              f"{'p99/p50':>7s} {'srv cpu':>7s} {'cli cpu':>7s} {'fairness':>8s}"]
     for r in rows:
         lines.append(f"{r['op']:9s} {fmt_size(r['size']):>6s} {r['batch']:5d} {r['clients']:7d} {r['gbps']:7.3f} "
@@ -262,7 +262,9 @@ def draw_chart(res: dict[str, Any], path: str) -> str | None:
     style = {"raw": ("tab:gray", "--"), "kvstore": ("tab:blue", "-"), "redis": ("tab:red", ":"),
              "kvstore-unix": ("tab:purple", "-"), "kvstore-shm": ("tab:green", "-")}
     markers = ["o", "s", "^", "D", "v"]
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.6), squeeze=False)
+    # The legend beside the panels, not over their lines; wide enough for the title with one panel too.
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches) + 2.5, 4.8), squeeze=False,
+                             layout="constrained")
     for ax, batch in zip(axes[0], batches):
         for k, (system, op) in enumerate(series):
             pts = sorted((r["size"], r["gbps"]) for r in rows if r["system"] == system and r["op"] == op
@@ -281,11 +283,11 @@ def draw_chart(res: dict[str, Any], path: str) -> str | None:
         ax.set_title(f"batch {batch}")
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
-    axes[0][-1].legend(fontsize=8, loc="best")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside right upper")
     load = res.get("matrix_load") or res.get("load", {})
     fig.suptitle(f"kvstore-bench on loopback, {load.get('ncpu')} CPUs, medians of {res['config']['trials']} "
-                 f"interleaved trials (other work on the machine: {load.get('other_cpu_cores')} cores)", fontsize=10)
-    fig.tight_layout()
+                 f"interleaved trials\n(other work on the machine: {load.get('other_cpu_cores')} cores)", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

@@ -44,6 +44,9 @@ class Target:
         """Populate what the cell's reads need; return ``{op name: op}``."""
         raise NotImplementedError
 
+    async def release(self) -> None:
+        """The cell is over: let go of what :meth:`prepare` held for it."""
+
     async def fill(self) -> int:
         """Fill a store to its capacity before the matrix (bytes written; 0: nothing to fill).
 
@@ -61,7 +64,7 @@ class RawTarget(Target):
 
     async def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.raw"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.pid = self.proc.pid
         assert self.proc.stdout is not None
         line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)
@@ -115,6 +118,7 @@ class KVStoreTarget(Target):
         self.name = self.NAMES[transport]
         self.server_args = server_args
         self._seq = 0
+        self._pinned: list[bytes] = []  # the cell's keys, leased while it runs
         self.client: Any = None
         self.unverified: Any = None  # the TCP system's second client, verify=False
         self.dir: tempfile.TemporaryDirectory[str] | None = None  # holds the Unix socket
@@ -129,7 +133,7 @@ class KVStoreTarget(Target):
             path = os.path.join(self.dir.name, "kv.sock")
             args += ["--unix", path]
         self.server = ServerProcess("--capacity", self.capacity, "--idle-timeout", "0", "--frame-timeout", "0",
-                                    *args)
+                                    *args, own_session=True)
         # Started on the loop's thread, blocking it for the start (nothing else runs yet): in an
         # executor, a cancel (Ctrl-C, SIGTERM) left the thread to finish starting a server nobody stopped.
         try:
@@ -176,6 +180,11 @@ class KVStoreTarget(Target):
     async def fill(self) -> int:
         return await _fill(parse_size(self.capacity), self.client.put)
 
+    async def release(self) -> None:
+        if self._pinned:
+            await self.client.unpin(self._pinned)
+            self._pinned = []
+
     async def prepare(self, size: int, batch: int, rounds: int) -> dict[str, Op]:
         kv = self.client
         keys = make_keys(f"cell:{size}:{batch}", batch)
@@ -185,6 +194,7 @@ class KVStoreTarget(Target):
         # stores fresh keys and may cycle the whole capacity within one measurement (faster transports
         # run more rounds); eviction must not take the blocks gets read.
         await kv.lookup(keys, pin=True, lease_ms=10 * 60_000)
+        self._pinned = keys  # (unpinned after the cell: each cell pinned held room from the later ones)
         dst = [bytearray(b"\x01") * size for _ in range(batch)]  # the caller's buffers, touched once
 
         async def put(i: int) -> None:
@@ -249,7 +259,7 @@ class RedisTarget(Target):
                 [self.executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                  "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes",
                  "--maxmemory", str(self.capacity), "--maxmemory-policy", "volatile-lru"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             self.client = aredis.Redis(host="127.0.0.1", port=port)
             try:
                 if await self._await_start(port):
