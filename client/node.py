@@ -257,18 +257,25 @@ class Node:
     async def _watch_socket(self, channel: ShmChannel) -> None:
         """Still there, but no connection is left to notice when it stops (closed for being idle):
         watch its socket file instead, which a stopping server removes (and a restarted one binds
-        anew), about once a second, until a connection is open again."""
+        anew), about once a second, until a connection is open again. A file that changed is
+        asked who serves there (a chmod of a live server's socket must not unmap its arena)."""
         if channel.segment.socket is None:
             return
         path, ident = channel.segment.socket
         while self.shm is channel and not any(not c.closed for c in self.conns):
             await asyncio.sleep(WATCH_S)
             try:
-                if file_id(os.stat(path)) == ident:
-                    continue
+                now = file_id(os.stat(path))
             except OSError:
-                pass
-            self._unmap(channel)
+                now = None
+            if now == ident:
+                continue
+            # Another file, or the same one changed (a chmod): is it still this server?
+            instance = await self._instance_now() if now is not None else None
+            if instance == channel.segment.instance:
+                ident = now
+            elif instance is not _NO_ANSWER:
+                self._unmap(channel)
 
     def _unmap(self, channel: ShmChannel) -> None:
         if self.shm is channel:

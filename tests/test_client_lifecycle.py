@@ -133,7 +133,8 @@ async def test_a_killed_servers_arena_is_unmapped_when_the_probe_finds_its_socke
     """Right after a SIGKILL the probe may still connect (the dead server's listener not yet closed)
     and its HELLO fail: the client kept the arena, and the failed probe's traceback held it in
     reference cycles (3 of 6 restarts in a review's run), beside the one the restarted server
-    pre-faults. Now its socket file is watched: another one there (a restarted server's) lets go."""
+    pre-faults. Now its socket file is watched: the file gone (a restarted server removes it first),
+    or another server there, lets go."""
     gc.collect()
     mapped = arena_mappings()
     srv = make_server("--capacity", "8MiB", "--unix", unix_path)
@@ -149,13 +150,34 @@ async def test_a_killed_servers_arena_is_unmapped_when_the_probe_finds_its_socke
             os.rename(unix_path + ".dying", unix_path)  # (the server's socket file replaced by it)
             srv.proc.kill()
             srv.proc.wait(10)
-            for _ in range(100):  # no call: the probe meets the stand-in, then the watch its socket file
+            await asyncio.sleep(1.5)  # no call: the probe meets the stand-in, answering no HELLO
+            assert kv.nodes[0].shm is not None  # (no proof the server is gone: watched)
+            dying.close()
+            os.unlink(unix_path)  # as a restarted server does before it pre-faults
+            for _ in range(100):
                 if kv.nodes[0].shm is None:
                     break
                 await asyncio.sleep(0.05)
             assert kv.nodes[0].shm is None and arena_mappings() == mapped
     finally:
         dying.close()
+
+
+async def test_a_chmod_of_a_live_servers_socket_keeps_an_idle_clients_arena(make_server: MakeServer,
+                                                                            unix_path: str) -> None:
+    """(the watch told a new file by its change time too, and a chmod changes it: the arena was
+    unmapped and populated again at the next call)"""
+    make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="chmod") as kv:
+        await kv.put([key(1, "chmod")], [b"x" * (3 << 20)])
+        channel = kv.nodes[0].shm
+        for _ in range(100):
+            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
+                break
+            await asyncio.sleep(0.05)
+        os.chmod(unix_path, 0o660)  # (the same mode: only its change time moves)
+        await asyncio.sleep(2.5)  # (the watch looks about once a second)
+        assert kv.nodes[0].shm is channel
 
 
 async def test_a_stalled_server_keeps_its_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
