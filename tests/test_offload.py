@@ -250,6 +250,24 @@ def test_a_preempted_remote_decode_request_stores_everything_again() -> None:
     assert again.first_block == 0 and len(again.keys) == 2  # (was: nothing, the cursor past both)
 
 
+def test_a_preempted_remote_decode_request_found_whole_on_resuming_still_stores_everything() -> None:
+    """The cursor goes back to the start at the preemption itself: with every block still in the
+    store, the resumed request loads them all and, for its remote decoder, stores them all again, as
+    before it was preempted (a review found no test failing without the reset in ``preempt``)."""
+    s = make()
+    s.add_request("r", range(24), {"do_remote_decode": True})
+    s.num_external_tokens("r", 0, hits(0))
+    s.on_alloc("r", gpu_blocks(6), 0)
+    (store,) = s.build_step({"r": 24})
+    s.on_store_done(store.job_id)
+    s.preempt("r")
+    load = s.on_alloc("r", gpu_blocks(6, base=200), s.num_external_tokens("r", 0, hits(2)))
+    assert load is not None and load.keys == tuple(s.keys("r")[:2])
+    s.on_load_done(load.job_id)
+    (again,) = s.build_step({"r": 24})
+    assert again.first_block == 0 and again.keys == tuple(s.keys("r")[:2])
+
+
 def test_a_resumed_request_stores_again_what_the_store_lost_meanwhile() -> None:
     """Stored blocks 0-5, preempted; the store evicted 3-5 meanwhile. The resumed request kept its
     cursor at 6: 3-5 were never stored again, and block 6 went out naming the missing block 5 as
