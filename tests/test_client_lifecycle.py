@@ -21,6 +21,15 @@ from kvstore.errors import InvalidRequest, TransportError
 from shm_helpers import MakeServer, arena_mappings, data, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
 
+async def idle_and_watched(kv: AsyncKVClient) -> None:
+    """Until the server closed the client's connections for being idle and the client watches it."""
+    for _ in range(100):
+        if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the connections were not closed for being idle, or nothing watches the server")
+
+
 async def test_a_server_restarted_without_shm_is_used_over_the_socket(make_server: MakeServer, unix_path: str) -> None:
     k = key(1, "no-shm-restart")
     gc.collect()  # (other tests' arenas and clients, not yet collected, would go during this one)
@@ -171,10 +180,7 @@ async def test_a_chmod_of_a_live_servers_socket_keeps_an_idle_clients_arena(make
     async with AsyncKVClient(f"unix:{unix_path}", namespace="chmod") as kv:
         await kv.put([key(1, "chmod")], [b"x" * (3 << 20)])
         channel = kv.nodes[0].shm
-        for _ in range(100):
-            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
-                break
-            await asyncio.sleep(0.05)
+        await idle_and_watched(kv)
         os.chmod(unix_path, 0o660)  # (the same mode: only its change time moves)
         await asyncio.sleep(2.5)  # (the watch looks about once a second)
         assert kv.nodes[0].shm is channel
@@ -244,10 +250,7 @@ async def test_a_client_idle_past_the_idle_timeout_still_lets_go_of_a_stopped_se
     async with AsyncKVClient(f"unix:{unix_path}", namespace="idle") as kv:
         await kv.put([key(1, "idle")], [b"x" * (3 << 20)])
         channel = kv.nodes[0].shm
-        for _ in range(100):
-            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
-                break
-            await asyncio.sleep(0.05)
+        await idle_and_watched(kv)
         await asyncio.sleep(0.5)  # (the probe: the server is still there)
         assert kv.nodes[0].shm is channel and arena_mappings() == mapped + 1
         assert srv.stop() == 0  # no connection of the client's sees it
@@ -267,10 +270,7 @@ async def test_an_idle_client_lets_go_of_a_killed_servers_arena_as_the_restarted
     srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5")
     async with AsyncKVClient(f"unix:{unix_path}", namespace="idle") as kv:
         await kv.put([key(1, "idle")], [b"x" * (3 << 20)])
-        for _ in range(100):
-            if all(c.closed for c in kv.nodes[0].conns) and kv.nodes[0].probing:
-                break
-            await asyncio.sleep(0.05)
+        await idle_and_watched(kv)
         srv.proc.kill()
         srv.proc.wait(10)
         await asyncio.sleep(1.5)  # (the watch: the dead server's file is still there)
