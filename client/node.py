@@ -266,15 +266,18 @@ class Node:
             await asyncio.sleep(WATCH_S)
             try:
                 now = file_id(os.stat(path))
-            except OSError:
-                now = None
+            except OSError:  # gone: the server stopped, or a restarted one removed it first
+                self._unmap(channel)
+                return
             if now == ident:
                 continue
-            # Another file, or the same one changed (a chmod): is it still this server?
-            instance = await self._instance_now() if now is not None else None
-            if instance == channel.segment.instance:
+            # Another file, or the same one changed (a chmod): is it still this server? Asked once per
+            # change (a server at its connection limit refuses the probe: asked every second, it
+            # counted two refused connections a second per idle client).
+            instance = await self._instance_now()
+            if instance == channel.segment.instance or instance is _NO_ANSWER:
                 ident = now
-            elif instance is not _NO_ANSWER:
+            else:
                 self._unmap(channel)
 
     def _unmap(self, channel: ShmChannel) -> None:

@@ -9,14 +9,16 @@ import copy
 import gc
 import os
 import pickle
+import re
 import signal
 import time
+import urllib.request
 from typing import Any, Callable
 
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import InvalidRequest, TransportError
+from kvstore.errors import InvalidRequest, TransportError, Unavailable
 
 from shm_helpers import MakeServer, arena_mappings, data, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
@@ -184,6 +186,55 @@ async def test_a_chmod_of_a_live_servers_socket_keeps_an_idle_clients_arena(make
         os.chmod(unix_path, 0o660)  # (the same mode: only its change time moves)
         await asyncio.sleep(2.5)  # (the watch looks about once a second)
         assert kv.nodes[0].shm is channel
+
+
+async def when_room(call: Callable[[], Any]) -> Any:
+    """``call()`` once a server at its connection limit has room (connections closing elsewhere)."""
+    for _ in range(50):
+        try:
+            return await call()
+        except Unavailable:
+            await asyncio.sleep(0.1)
+    return await call()
+
+
+async def test_a_changed_socket_file_of_a_full_server_is_asked_once(make_server: MakeServer, unix_path: str) -> None:
+    """A server at its connection limit refuses the watch's probe: asked again every second, each
+    idle client counted two refused connections a second against it for as long as it stayed full."""
+    import socket
+
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--idle-timeout", "0.5", "--max-connections", "2",
+                      "--metrics-port", "0")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="full") as kv:
+        await kv.put([key(1, "full")], [b"x" * (3 << 20)])
+        channel = kv.nodes[0].shm
+        await idle_and_watched(kv)
+        await asyncio.sleep(1.0)  # (the probe after the idle close has run)
+        holders = [AsyncKVClient(srv.addr, namespace="full", shm=False, pool_size=1) for _ in range(2)]
+        for h in holders:
+            await when_room(h.ping)
+
+        async def keep_busy(h: AsyncKVClient) -> None:  # (not closed for being idle)
+            while True:
+                await h.ping()
+                await asyncio.sleep(0.1)
+
+        busy = [asyncio.ensure_future(keep_busy(h)) for h in holders]  # the server is full
+        try:
+            os.chmod(unix_path, 0o660)  # the socket file changed: the watch asks, and is refused
+            await asyncio.sleep(4.0)
+            assert kv.nodes[0].shm is channel  # (no proof the server is gone)
+        finally:
+            for task in busy:
+                task.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            for h in holders:
+                await h.close()
+    from conftest import metrics_address
+
+    with urllib.request.urlopen(metrics_address(srv) + "/metrics", timeout=5) as resp:
+        rejected = re.search(r"^kvstore_connections_rejected_total (\S+)$", resp.read().decode(), re.M)
+    assert rejected is not None and float(rejected.group(1)) <= 2  # one probe: its connect and its HELLO
 
 
 async def test_a_stalled_server_keeps_its_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
