@@ -21,15 +21,17 @@ class ServerProcess:
     """A ``kvstore-server`` child bound to 127.0.0.1, stopped by :meth:`stop` or on exit of a ``with``."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 30.0,
-                 open_files: tuple[int, int] | None = None, cwd: str | None = None, own_session: bool = False) -> None:
+                 open_files: tuple[int, int] | None = None, cwd: str | None = None,
+                 ignore_sigint: bool = False) -> None:
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.env = {**os.environ, **(env or {})}
         self.open_files = open_files  # (soft, hard) RLIMIT_NOFILE for the child, as ``ulimit -n`` sets it
         self.cwd = cwd  # (``python -m`` imports from the working folder first)
         self.start_timeout = start_timeout
-        # Out of the caller's process group: a terminal's Ctrl-C reaches the caller alone, which stops
-        # the server itself (kvstore-bench: a server hit mid-start said only "did not start").
-        self.own_session = own_session
+        # Started with SIGINT ignored: a terminal's Ctrl-C, sent to the whole process group, leaves the
+        # server to its caller, which stops it (kvstore-bench: a server hit mid-start said only "did not
+        # start"); the server takes SIGINT again once it listens. Other signals to the group still reach it.
+        self.ignore_sigint = ignore_sigint
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.log: list[str] = []
@@ -42,15 +44,17 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "kvstore.server.cli", *self.args]
-        limits = self.open_files
+        limits, ignore_sigint = self.open_files, self.ignore_sigint
 
-        def limit() -> None:  # (in the child, before exec)
+        def prepare() -> None:  # (in the child, before exec)
             if limits is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            if ignore_sigint:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env,
-                                     cwd=self.cwd, preexec_fn=limit if limits is not None else None,
-                                     start_new_session=self.own_session)
+                                     cwd=self.cwd,
+                                     preexec_fn=prepare if limits is not None or ignore_sigint else None)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
         if not self._listening.wait(self.start_timeout) or not self.port:

@@ -318,12 +318,27 @@ def test_bad_arguments_are_usage_errors_before_any_server_starts(tmp_path: Path)
         (["--server-args=--capacity abc"], "--server-args: argument --capacity: not a size"),
         (["--json", str(tmp_path / "missing" / "r.json")], "does not exist or is not writable"),
         (["--chart", "r.pnx"], "--chart r.pnx: a file ending in .png, .svg, .pdf"),
+        (["--server-args=--version"], "--server-args: flags for the servers' runs, not --help or --version"),
+        (["--capacity", "5MiB", "--sizes", "65k", "--batches", "32"], "needs at least 8MiB"),  # (whole pages)
+        (["--capacity", "8MiB", "--sizes", "1m", "--batches", "4", "--server-args=--page-size 4MiB"],
+         "needs at least 32MiB"),
     ]
     for args, message in cases:
         done = subprocess.run([sys.executable, "-m", "kvstore.bench.cli", "--json", "", "--chart", "", *args],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_the_capacity_is_checked_only_where_a_store_runs_the_matrix() -> None:
+    """(--skip matrix or --systems raw, which use no --capacity, were refused for it)"""
+    from kvstore.bench.cli import build_parser, check_args
+
+    p = build_parser()
+    for args in (["--skip", "matrix", "--capacity", "64MiB"], ["--systems", "raw", "--capacity", "64MiB"]):
+        check_args(p, p.parse_args(args))  # (a usage error would raise SystemExit)
+    with pytest.raises(SystemExit):
+        check_args(p, p.parse_args(["--systems", "raw,redis", "--capacity", "64MiB"]))
 
 
 def _children(pid: int) -> list[int]:

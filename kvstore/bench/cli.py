@@ -138,26 +138,33 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > (0 if flag != "min_seconds" else -1)):
             p.error(f"--{flag.replace('_', '-')}: must be a positive number, got {value}")
-    try:
-        capacity = parse_size(matrix_capacity(args))
-    except ValueError as exc:
-        p.error(f"--capacity: {exc}")
-    # A cell's blocks (leased for its gets) and a put's new ones side by side, in 64 KiB pages.
-    need = 2 * max(max(parse_sizes(args.sizes)), 64 << 10) * max(parse_ints(args.batches))
-    if capacity < need:
-        p.error(f"--capacity {matrix_capacity(args)}: the largest cell needs at least {fmt_size(need)} "
-                "(its blocks, which the gets read, beside a put's new ones)")
+    page = 64 << 10
     if args.server_args:
         from kvstore.server.cli import build_parser as server_parser
 
+        given = shlex.split(args.server_args)
+        if {"-h", "--help", "--version"} & set(given):
+            p.error("--server-args: flags for the servers' runs, not --help or --version")
         server = server_parser()
         server.exit_on_error = False  # (a bad value raises, to be said as ours)
         try:
-            _, unknown = server.parse_known_args(shlex.split(args.server_args))
+            flags, unknown = server.parse_known_args(given)
         except argparse.ArgumentError as exc:
             p.error(f"--server-args: {exc}")
         if unknown:
             p.error(f"--server-args: not kvstore-server flags: {' '.join(unknown)}")
+        page = flags.page_size
+    try:
+        capacity = parse_size(matrix_capacity(args))
+    except ValueError as exc:
+        p.error(f"--capacity: {exc}")
+    stores = {"kvstore", "kvstore-unix", "kvstore-shm", "redis"} & {t.strip() for t in args.systems.split(",")}
+    if stores and "matrix" not in args.skip.split(","):
+        # A cell's blocks (leased for its gets) and a put's new ones side by side, each in whole pages.
+        need = 2 * -(-max(parse_sizes(args.sizes)) // page) * page * max(parse_ints(args.batches))
+        if capacity < need:
+            p.error(f"--capacity {matrix_capacity(args)}: the largest cell needs at least {fmt_size(need)} "
+                    "(its blocks, which the gets read, beside a put's new ones)")
     for flag, path, kinds in (("--json", args.json, None), ("--chart", args.chart, CHART_FORMATS)):
         if path:  # checked now, not after a run of minutes
             folder = os.path.dirname(os.path.abspath(path))
@@ -188,7 +195,7 @@ class _Stopper:
     comes as its awaitable completes; the run then went on, or hung, with every server running).
     """
 
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: the terminal closed)
     received: int | None = None  # the signal that ended the run (main's exit code)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,13 @@ from .common import free_port, make_blocks, make_keys
 from .raw import EXIT, HEADER, RawClient
 
 Op = Callable[[int], Awaitable[None]]
+
+
+def ignore_sigint() -> None:
+    """In a server child, before exec: a terminal's Ctrl-C goes to the bench alone, which stops its
+    servers (hit mid-start, a server said only "did not start"); every other signal to the process
+    group (a closed terminal, a cancelled job) still reaches them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Target:
@@ -64,7 +72,7 @@ class RawTarget(Target):
 
     async def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.raw"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
         self.pid = self.proc.pid
         assert self.proc.stdout is not None
         line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)
@@ -133,7 +141,7 @@ class KVStoreTarget(Target):
             path = os.path.join(self.dir.name, "kv.sock")
             args += ["--unix", path]
         self.server = ServerProcess("--capacity", self.capacity, "--idle-timeout", "0", "--frame-timeout", "0",
-                                    *args, own_session=True)
+                                    *args, ignore_sigint=True)
         # Started on the loop's thread, blocking it for the start (nothing else runs yet): in an
         # executor, a cancel (Ctrl-C, SIGTERM) left the thread to finish starting a server nobody stopped.
         try:
@@ -259,7 +267,7 @@ class RedisTarget(Target):
                 [self.executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                  "--loglevel", "warning", "--dir", self.dir.name, "--protected-mode", "yes",
                  "--maxmemory", str(self.capacity), "--maxmemory-policy", "volatile-lru"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=ignore_sigint)
             self.client = aredis.Redis(host="127.0.0.1", port=port)
             try:
                 if await self._await_start(port):
