@@ -32,6 +32,7 @@ from vllm_harness import EOS_TOKEN_ID, LAYERS, Engine
 
 BLOCKS_PER_CHUNK = 3  # offloaded block of 12 tokens / GPU block of 4
 SYNC_ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+REMOTE_DECODE = pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
 
 
 # --------------------------------------------------------------------------- helpers
@@ -87,7 +88,7 @@ def nothing_listens() -> str:
 
 
 @SYNC_ASYNC
-@pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
+@REMOTE_DECODE
 def test_prefill_for_remote_decode_stores_every_block(make_engine: Callable[..., Engine],
                                                       kvstore_server: ServerProcess, async_scheduling: bool,
                                                       remote_decode: bool) -> None:
@@ -133,7 +134,7 @@ def test_prefill_for_remote_decode_stores_every_block(make_engine: Callable[...,
 
 
 @SYNC_ASYNC
-@pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
+@REMOTE_DECODE
 def test_a_prompt_computed_over_several_steps_stores_as_the_seed_says(make_engine: Callable[..., Engine],
                                                                       kvstore_server: ServerProcess,
                                                                       async_scheduling: bool,
@@ -164,7 +165,7 @@ def test_a_prompt_computed_over_several_steps_stores_as_the_seed_says(make_engin
 
 
 @SYNC_ASYNC
-@pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
+@REMOTE_DECODE
 def test_a_request_preempted_mid_prompt_is_stored_whole_once_it_resumes(make_engine: Callable[..., Engine],
                                                                         kvstore_server: ServerProcess,
                                                                         async_scheduling: bool,
@@ -188,7 +189,7 @@ def test_a_request_preempted_mid_prompt_is_stored_whole_once_it_resumes(make_eng
 
 
 @SYNC_ASYNC
-@pytest.mark.parametrize("remote_decode", [True, False], ids=["do_remote_decode", "plain"])
+@REMOTE_DECODE
 def test_a_request_aborted_mid_prompt_leaves_no_store_behind(make_engine: Callable[..., Engine],
                                                               kvstore_server: ServerProcess, async_scheduling: bool,
                                                               remote_decode: bool) -> None:
