@@ -18,7 +18,9 @@ namespaces never meet, even under equal key bytes):
   the key before it in its chain: the parent->children links let eviction
   demote a block's descendants when the block goes (they are *stranded*: no
   prefix lookup can reach them, so they are evicted before anything
-  reachable). ``abort(res)`` frees a reservation whose payload never arrived.
+  reachable). A stranded block whose parent is gone waits for it: stored again,
+  the parent takes it back, and with it every block after it (reachable again
+  when the parent is). ``abort(res)`` frees a reservation whose payload never arrived.
 - ``lookup(ns, keys)`` returns the largest ``m`` with ``keys[:m]`` all stored,
   touches them as one chain access and, with ``pin=True``, gives each a lease
   (until ``clock() + lease_s``) that keeps it from eviction.
@@ -96,7 +98,7 @@ class _Block:
     """A stored block. ``children`` is None, one key, or a set (fan-out is rare)."""
 
     __slots__ = ("checksum", "children", "dead", "extent", "leases", "pages", "parent", "pkey", "refs", "size",
-                 "stranded")
+                 "stranded", "waits")
 
     def __init__(self, pkey: BlockKey, size: int, checksum: int, extent: Extent, pages: int) -> None:
         self.pkey = pkey
@@ -109,6 +111,7 @@ class _Block:
         self.refs = 0  # in-flight readers
         self.leases: list[float] | None = None  # deadlines, soonest first
         self.stranded = False
+        self.waits: bytes | None = None  # the key of its parent, while that is gone (see BlockStore._waiting)
         self.dead = False  # out of the index, pages kept for readers
 
     @property
@@ -296,6 +299,9 @@ class BlockStore:
         self._pinned_pages = 0
         self._pinned_blocks = 0
         self._stranded = 0  # blocks with .stranded set: while none is, a lookup need not look for one
+        # A gone parent's policy key -> its stored children's keys, which wait for it (.waits): a put
+        # that stores it again joins them to it, and they leave the stranded queue with it.
+        self._waiting: dict[BlockKey, set[bytes]] = {}
         self._leases = 0
         self._reserved_pages = 0
         self._events = dict.fromkeys(
@@ -388,6 +394,8 @@ class BlockStore:
         parent_block = ns_blocks.get(parent) if parent is not None and parent != res.key else None
         if parent_block is None:
             block.stranded = parent is not None and parent != res.key  # its predecessor is gone
+            if block.stranded:
+                self._wait(block, cast(bytes, parent))
         else:
             block.parent = parent_block.pkey[1]
             parent_block.add_child(res.key)
@@ -396,6 +404,8 @@ class BlockStore:
         if block.stranded:
             self._stranded += 1
             self._policy.demote(block.pkey)
+        if self._waiting:
+            self._adopt(ns_blocks, block)
         return True
 
     def join(self, ns: str, keys: Sequence[bytes], parent: bytes | None = None) -> None:
@@ -411,9 +421,7 @@ class BlockStore:
             block = ns_blocks.get(key)
             if block is not None and block.stranded and prev is not None and not prev.stranded and block is not prev:
                 self._relink(ns_blocks, block, prev)
-                block.stranded = False
-                self._stranded -= 1
-                self._policy.touch([block.pkey], prev.pkey)
+                self._unstrand(ns_blocks, block)
             prev = block
 
     def count_stored(self, n: int) -> None:
@@ -520,14 +528,14 @@ class BlockStore:
 
     def _link(self, ns_blocks: dict[bytes, _Block], found: list[_Block]) -> None:
         """A lookup reached ``found`` in this order: link unparented or stranded
-        blocks to their predecessor, and none of them is stranded any more."""
+        blocks to their predecessor, and none of them (nor what follows them) is
+        stranded any more."""
         for prev, block in zip(found, found[1:]):
             if (block.stranded or block.parent is None) and block is not prev:
                 self._relink(ns_blocks, block, prev)
         for block in found:
             if block.stranded:
-                block.stranded = False
-                self._stranded -= 1
+                self._unstrand(ns_blocks, block)
 
     def acquire(self, ns: str, key: bytes) -> BlockRef | None:
         """Pin a block for an in-flight read and touch it (its leases keep their deadlines).
@@ -866,12 +874,15 @@ class BlockStore:
         self._ns_bytes[ns] -= block.size
         if block.stranded:
             self._stranded -= 1
+        if block.waits is not None:
+            self._unwait(block)
         if block.parent is not None and (parent := ns_blocks.get(block.parent)) is not None:
             parent.drop_child(key)
         for child_key in block.child_keys():
             child = ns_blocks.get(child_key)
             if child is not None:
                 child.parent = None  # links only join present blocks
+                self._wait(child, key)
         if block.children is not None:
             self._strand_descendants(ns_blocks, block)
         if not ns_blocks:
@@ -901,8 +912,52 @@ class BlockStore:
         old = block.parent
         if old is not None and old != parent.pkey[1] and (old_parent := ns_blocks.get(old)) is not None:
             old_parent.drop_child(block.pkey[1])
+        if block.waits is not None:
+            self._unwait(block)
         block.parent = parent.pkey[1]
         parent.add_child(block.pkey[1])
+
+    def _unstrand(self, ns_blocks: dict[bytes, _Block], top: _Block) -> None:
+        """A stranded block is reachable again (through its parent, or a lookup started at it):
+        so are the stranded blocks after it, each touched just before its parent, head first."""
+        stack = [top]
+        while stack:
+            block = stack.pop()
+            if not block.stranded:
+                continue  # (nor is anything after it: a stranded block's descendants are stranded)
+            block.stranded = False
+            self._stranded -= 1
+            self._policy.touch([block.pkey], self._parent_hint(ns_blocks, block))
+            stack.extend(child for key in block.child_keys() if (child := ns_blocks.get(key)) is not None)
+
+    def _wait(self, block: _Block, parent: bytes) -> None:
+        """File a stranded block under the key of its gone parent (see :meth:`_adopt`)."""
+        block.waits = parent
+        self._waiting.setdefault((block.pkey[0], parent), set()).add(block.pkey[1])
+
+    def _unwait(self, block: _Block) -> None:
+        """Take a block out of :attr:`_waiting` (it is dropped, or linked to another parent)."""
+        pkey = (block.pkey[0], cast(bytes, block.waits))
+        block.waits = None
+        waiting = self._waiting[pkey]
+        waiting.discard(block.pkey[1])
+        if not waiting:
+            del self._waiting[pkey]
+
+    def _adopt(self, ns_blocks: dict[bytes, _Block], block: _Block) -> None:
+        """A block just stored takes back the blocks that waited for it (it was their parent,
+        then gone): linked to it again, they are reachable when it is (they were stranded)."""
+        keys = self._waiting.pop(block.pkey, None)
+        if keys is None:
+            return
+        for key in keys:
+            child = ns_blocks[key]
+            child.waits = None
+            child.parent = block.pkey[1]
+            block.add_child(key)
+        if not block.stranded:
+            for key in keys:
+                self._unstrand(ns_blocks, ns_blocks[key])
 
     def _parent_hint(self, ns_blocks: dict[bytes, _Block], block: _Block) -> BlockKey | None:
         """The parent's policy key while the block is reachable through it."""

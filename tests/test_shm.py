@@ -406,6 +406,28 @@ async def test_a_put_filling_a_chains_gap_stores_what_follows_and_joins_the_chai
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_chains_gap_put_back_alone_makes_the_rest_of_the_chain_reachable(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """The blocks after a chain's gap stayed stranded when the gap's block was put back alone
+    (after its parent), and went first when the store needed room: evicted before older chains."""
+    srv = make_server("--capacity", "512KiB", "--page-size", "64KiB", "--unix", unix_path)  # 8 blocks
+    c = [key(i, "gap1") for i in range(5)]
+    o = [key(i, "gap1-older") for i in range(3)]
+    n = [key(i, "gap1-new") for i in range(2)]
+    addr = srv.addr if transport == "tcp" else unix(unix_path)
+    async with AsyncKVClient(addr, namespace="gap1", pool_size=1) as kv:
+        await kv.put(o, [data(k, 1000) for k in o])
+        await kv.put(c, [data(k, 1000) for k in c])  # full
+        assert await kv.delete([c[2]]) == 1  # c3, c4 stranded
+        assert (await kv.stats())["store"]["stranded_blocks"] == 2
+        assert (await kv.put([c[2]], [data(c[2], 1000)], parent=c[1])).stored == 1
+        assert (await kv.stats())["store"]["stranded_blocks"] == 0
+        await kv.put(n, [data(k, 1000) for k in n])  # -> evicts o2, o1: the older chain's tail (was c4, c3)
+        assert await kv.lookup(c) == 5 and await kv.exists(o) == [True, False, False]
+        assert [bytes(b) for b in await kv.get(c)] == [data(k, 1000) for k in c]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_put_continuing_a_restored_parent_through_its_stranded_child_is_stored(
         make_server: MakeServer, unix_path: str, transport: str) -> None:
     """E's child S stayed, stranded, while E was evicted and stored again alone; a put of [S, N]
@@ -417,7 +439,7 @@ async def test_a_put_continuing_a_restored_parent_through_its_stranded_child_is_
     async with AsyncKVClient(addr, namespace="restored", pool_size=1) as kv:
         await kv.put([e, s], [data(e, 1000), data(s, 1000)])
         assert await kv.delete([e]) == 1  # s stranded
-        await kv.put([e], [data(e, 1000)])  # back alone: s stays stranded
+        await kv.put([e], [data(e, 1000)])  # back alone, as a head: s joined to it again
         await kv.put(o, [data(k, 1000) for k in o])  # full
         res = await kv.put([s, n], [data(s, 1000), data(n, 1000)], parent=e)
         assert res.statuses == ["existed", "stored"]

@@ -483,6 +483,44 @@ def test_lookup_through_a_restored_head_makes_the_tail_reachable_again(policy: s
     assert present(store, ["a1", "a2", "x0", "y0", "y1", "y2"]) == ["a1", "x0", "y0", "y1", "y2"]
 
 
+def test_a_gap_block_stored_again_alone_makes_the_blocks_after_it_reachable(policy: str) -> None:
+    """A block deleted (or evicted) out of a chain strands the blocks after it; a put of that
+    block alone, with its parent, joins them again, as a lookup of the whole chain would."""
+    store = make(policy, 8)
+    put_batch(store, ["a0", "a1", "a2", "a3", "a4"])
+    store.delete(NS, [k("a2")])  # a3, a4 stranded
+    assert store.stats()["stranded_blocks"] == 2
+    put_batch(store, ["a2"], after="a1")
+    assert store.stats()["stranded_blocks"] == 0
+    put_batch(store, ["x0", "x1", "x2"])  # full: x* newer than a*
+    # put [y0 y1] -> evicts [a4] and [a3], the oldest chain's tail (stranded, they went before x2 as well)
+    put_batch(store, ["y0", "y1"])
+    assert present(store, ["a0", "a1", "a2", "x0", "x1", "x2"]) == ["a0", "a1", "a2", "x0", "x1", "x2"]
+    assert store.lookup(NS, [k(n) for n in ["a0", "a1", "a2", "a3"]]) == 3
+
+
+def test_a_gap_filled_behind_a_missing_head_stays_stranded_until_the_head_is_back(policy: str) -> None:
+    store = make(policy, 8)
+    put_batch(store, ["a0", "a1", "a2", "a3"])
+    store.delete(NS, [k("a0"), k("a2")])  # a1 (after a0), a3 (after a2) stranded
+    put_batch(store, ["a2"], after="a1")  # joins a3 to it: stranded both, a1 is
+    assert store.stats()["stranded_blocks"] == 3
+    put_batch(store, ["a0"])  # the head: all of it reachable
+    assert store.stats()["stranded_blocks"] == 0
+    assert store.lookup(NS, [k(n) for n in ["a0", "a1", "a2", "a3"]]) == 4
+
+
+def test_a_lookup_ending_inside_a_stranded_chain_makes_the_rest_of_it_reachable(policy: str) -> None:
+    """A lookup that finds a chain whole again (its gap put back without a parent) joins all of it,
+    also the blocks after the ones it asked for."""
+    store = make(policy, 8)
+    put_batch(store, ["a0", "a1", "a2", "a3"])
+    store.delete(NS, [k("a1")])  # a2, a3 stranded
+    assert store.put(NS, k("a1"), data("a1"))  # stored without its parent, then found through it
+    assert store.lookup(NS, [k("a0"), k("a1")]) == 2
+    assert store.stats()["stranded_blocks"] == 0
+
+
 # -- pins and leases --------------------------------------------------------------
 
 
@@ -884,6 +922,15 @@ def test_random_churn_keeps_every_invariant(policy: str, seed: int, sweep_at: in
         assert stats["bytes"] == sum(len(contents[nk][0]) for nk in live)
         assert stats["pinned_blocks"] == len(leases.keys() | readers)
         assert stats["stranded_blocks"] == sum(b.stranded for blocks in store._blocks.values() for b in blocks.values())
+        waiting: dict[tuple[str, bytes], set[bytes]] = {}
+        for ns, blocks in store._blocks.items():
+            for key, b in blocks.items():
+                if b.waits is not None:  # it waits for a parent that is gone (stranded, or a lookup began at it)
+                    assert b.parent is None and b.waits not in blocks
+                    waiting.setdefault((ns, b.waits), set()).add(key)
+                elif b.stranded:  # else it is stranded only after a stranded parent
+                    assert b.parent is not None and blocks[b.parent].stranded
+        assert store._waiting == waiting
         assert stats["leases"] == sum(len(ts) for ts in leases.values())
         assert stats["reserved_bytes"] == 0
         for ns, key in rng.sample(sorted(live), min(4, len(live))):
