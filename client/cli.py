@@ -244,7 +244,8 @@ def render_stats(st: dict[str, Any], addr: str) -> str:
         f"{sum(err.values())} errors",
         f"traffic     {format_size(st.get('bytes_in', 0))} in, {format_size(st.get('bytes_out', 0))} out",
         f"connections {st.get('connections', 0)} open of at most {st.get('max_connections', '?')}, "
-        f"{st.get('connections_total', 0)} accepted, {st.get('connections_rejected', 0)} refused",
+        f"{st.get('connections_total', 0)} accepted, {st.get('connections_rejected', 0)} refused"
+        + (f", {st['tls_handshake_failures']} TLS handshake(s) failed" if st.get("tls_handshake_failures") else ""),
     ]
     poll = st.get("busy_poll") or {}
     if poll.get("window_us"):

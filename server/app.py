@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import os
 import resource
 import signal
 import socket
 import ssl
+import time
 import weakref
 from typing import Any
 
@@ -24,7 +26,7 @@ from .auth import EncryptedKey, TokenTable, server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
 from .metrics import MetricsServer
 from .redis_tier import RedisTier
-from .service import Service
+from .service import Service, Session
 from .shm import bind_unix_listener, check_unix_path, remove_unix_listener
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,7 @@ class Server:
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
+        self._handshake_logged = -math.inf
         self._servers: list[asyncio.AbstractServer] = []
         self._stopping = asyncio.Event()  # (a stop asked before serve_forever runs is kept)
         self._hurry = False  # asked to stop again while stopping
@@ -210,7 +213,23 @@ class Server:
         conn = Connection(self.service, self.limits, self.connections, self.poll)
         if self.tls is not None:
             self._handshaking.add(conn)
+            # The handshake's outcome reaches no protocol callback: a connection whose handshake
+            # fails (or times out) is dropped before its connection_made, and let go of at once.
+            weakref.finalize(conn, self._handshake_over, conn.session).atexit = False
         return conn
+
+    def _handshake_over(self, session: Session) -> None:
+        """A TLS connection's protocol is gone; it never came up if its handshake failed."""
+        if session.connected:
+            return
+        counters = self.service.counters
+        counters.tls_handshake_failures += 1
+        now = time.monotonic()
+        if now - self._handshake_logged > 10.0:  # (one line per 10 s: a plaintext client retrying is a flood)
+            self._handshake_logged = now
+            log.warning("TLS handshakes failing (%d since start): a client without TLS, trusting another CA, "
+                        "or not done within --frame-timeout", counters.tls_handshake_failures,
+                        extra={"event": "tls_handshake_failed"})
 
     async def start(self) -> None:
         if self.tier is not None:

@@ -109,6 +109,7 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None and sock.family == socket.AF_UNIX:
             self.session.unix = True  # a same-host peer: may map the shared arena (server/shm.py)
             self.session.peer = unix_peer(sock)
+        self.session.connected = True
         self.service.counters.connections += 1
         self.service.counters.connections_total += 1
 

@@ -66,6 +66,27 @@ _TIER_COUNTERS = {
     "outages": "Times the tier went from healthy to degraded",
 }
 
+#: The shared-memory path's own counters (``kvstore-cli stats``' "shm"; its requests count in
+#: ``kvstore_requests_total`` as ``shm_*`` ops), exported as ``kvstore_shm_<name>_total``.
+_SHM_COUNTERS = {
+    "attached": ("attached", "Same-host connections handed the arena (SHM_ATTACH)"),
+    "refused": ("attach_refused", "SHM_ATTACHes refused: the token is not valid for every namespace"),
+    "expired": ("read_pins_expired", "SHM_GET pin sets dropped unreleased after --lease-seconds (a client "
+                                     "that hung or died mid-copy)"),
+    "put_expired": ("puts_expired", "SHM_PUTs aborted uncommitted after --max-lease-seconds"),
+    "aborted_on_close": ("puts_aborted", "SHM_PUTs aborted uncommitted as their connection closed"),
+    "inline_blocks": ("inline_blocks", "Blocks SHM_GETs sent on the socket (read from the tier but not promoted: no room, or a bad checksum)"),
+}
+_SHM_GAUGES = {
+    "open_handles": ("kvstore_shm_open_handles", "SHM_GET and SHM_PUT handles not yet released or committed"),
+    "pins": ("kvstore_shm_read_pins", "Block pins the open SHM_GET handles hold"),
+    "put_keys": ("kvstore_shm_put_keys", "Keys of SHM_PUTs waiting for their commit"),
+}
+
+#: Shared-memory metrics exist only when the server offers its arena (--unix and no --no-shm).
+SHM_METRICS = (*(name for name, _ in _SHM_GAUGES.values()),
+               *(f"kvstore_shm_{name}_total" for name, _ in _SHM_COUNTERS.values()))
+
 #: Tier metrics exist only when the server has a backing tier.
 TIER_METRICS = ("kvstore_tier_up", "kvstore_tier_state", "kvstore_tier_backlog_bytes", "kvstore_tier_backlog_blocks",
                 "kvstore_tier_backlog_limit_bytes",
@@ -123,6 +144,7 @@ class KVStoreCollector:
         yield from self._namespaces(snap["namespaces"])
         yield from self._connections(snap)
         yield from _tier(snap.get("tier"))
+        yield from _shm(snap.get("shm"))
         yield self._latency()
 
     @staticmethod
@@ -205,6 +227,9 @@ class KVStoreCollector:
                                   value=snap["connections_total"])
         yield CounterMetricFamily("kvstore_connections_rejected", "Connections refused over --max-connections",
                                   value=snap.get("connections_rejected", 0))
+        yield CounterMetricFamily("kvstore_tls_handshake_failures", "TLS connections whose handshake failed or "
+                                  "timed out (--frame-timeout): a client without TLS, or trusting another CA",
+                                  value=snap.get("tls_handshake_failures", 0))
         yield CounterMetricFamily("kvstore_auth_failures", "HELLOs refused (a missing or wrong token, or a "
                                   "namespace the token does not cover), requests before HELLO (once per "
                                   "connection) and FLUSHes refused for their scope",
@@ -244,6 +269,19 @@ def _tier(tier: dict[str, Any] | None) -> Iterator[Metric]:
     for field, doc in _TIER_COUNTERS.items():
         if field in tier:
             yield CounterMetricFamily(f"kvstore_tier_{field}", doc, value=tier[field])
+
+
+def _shm(shm: dict[str, Any] | None) -> Iterator[Metric]:
+    offered = bool(shm and shm.get("offered"))
+    yield GaugeMetricFamily("kvstore_shm_offered", "1 when same-host clients may map the arena (--unix, no --no-shm)",
+                            value=int(offered))
+    if not offered:
+        return
+    assert shm is not None
+    for field, (name, doc) in _SHM_GAUGES.items():
+        yield GaugeMetricFamily(name, doc, value=shm.get(field, 0))
+    for field, (name, doc) in _SHM_COUNTERS.items():
+        yield CounterMetricFamily(f"kvstore_shm_{name}", doc, value=shm.get(field, 0))
 
 
 def make_registry(service: Service) -> CollectorRegistry:

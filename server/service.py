@@ -57,6 +57,7 @@ class Session:
 
     namespace: str = "default"
     peer: str = ""
+    connected: bool = False  # its transport came up (with TLS: the handshake succeeded)
     authenticated: bool = True
     grant: Grant | None = None  # the namespaces its token may use (None: no auth configured)
     unix: bool = False  # came in over the Unix socket (a same-host peer: may map the arena)
@@ -74,6 +75,7 @@ class Counters:
     connections: int = 0
     connections_total: int = 0
     connections_rejected: int = 0  # over --max-connections
+    tls_handshake_failures: int = 0  # TLS connections that never came up (refused, or past the timeout)
     auth_failures: int = 0
     timeouts: dict[str, int] = field(default_factory=lambda: {"idle": 0, "frame": 0, "reply": 0, "auth": 0})
     latency: LatencyHistograms = field(default_factory=LatencyHistograms)
@@ -714,6 +716,7 @@ class Service:
             "max_connections": self.max_connections,
             "connections_total": c.connections_total,
             "connections_rejected": c.connections_rejected,
+            "tls_handshake_failures": c.tls_handshake_failures,
             "auth_failures": c.auth_failures,
             "timeouts": dict(c.timeouts),
             "requests": dict(c.requests),

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -194,11 +195,39 @@ async def test_failed_tls_handshakes_do_not_use_up_connection_slots(make_server,
             read_all(s)
     async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), retries=0) as kv:
         await kv.ping()  # (was: "server is at its limit of 2 connections")
-        assert (await kv.stats())["connections"] == 1
+        stats = await kv.stats()
+        assert stats["connections"] == 1
+        assert stats["tls_handshake_failures"] == 4  # (counted nowhere before)
         with socket.create_connection(("127.0.0.1", srv.port)):  # a handshake in progress holds a slot too
             with pytest.raises(Unavailable):
                 async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), retries=0):
                     pass
+
+
+async def test_failed_and_timed_out_tls_handshakes_are_counted_and_logged(make_server, metrics_url,
+                                                                           tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--frame-timeout", "1",
+                      "--tls-cert", str(tls_files["cert"]), "--tls-key", str(tls_files["key"]))
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as silent:  # no handshake at all
+        for _ in range(2):  # a plaintext client, twice
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                s.sendall(frames(Ping()))
+                read_all(s)
+        line = srv.wait_log("TLS handshakes failing")  # once: the second is within 10 s
+        assert "event=tls_handshake_failed" in line and "--frame-timeout" in line
+        silent.settimeout(5)
+        assert read_all(silent) == b""  # closed after --frame-timeout
+    async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), namespace="h") as kv:  # a good one: not counted
+        deadline = time.monotonic() + 5  # (the timed-out one is counted as the server lets go of it)
+        while (stats := await kv.stats())["tls_handshake_failures"] < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert stats["tls_handshake_failures"] == 3 and stats["connections"] == 1
+    cli = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "--addr", srv.addr, "--tls-ca", str(tls_files["ca"]),
+                          "stats"], capture_output=True, text=True, timeout=30)
+    assert ", 3 TLS handshake(s) failed" in cli.stdout, cli.stdout + cli.stderr
+    assert sum("TLS handshakes failing" in line for line in srv.log) == 1
+    with urllib.request.urlopen(metrics_url(srv) + "/metrics", timeout=5) as resp:
+        assert "kvstore_tls_handshake_failures_total 3.0" in resp.read().decode()
 
 
 async def test_connect_over_several_servers_raises_a_refused_tls_handshake(make_server, tls_files: dict[str, Path]) -> None:

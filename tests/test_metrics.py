@@ -19,9 +19,9 @@ from kvstore.client.aio import checksum
 from kvstore.errors import TooLarge
 from kvstore.protocol import Get, Hello, Lookup, Ping, Put, encode
 from kvstore.server.cli import config_from_args
-from kvstore.server.metrics import TIER_METRICS
+from kvstore.server.metrics import SHM_METRICS, TIER_METRICS
 from redis_fixtures import redis_server, reserved_bytes, wait_until  # noqa: F401  (redis_server: a fixture)
-from shm_helpers import unix_path  # noqa: F401  (a fixture)
+from shm_helpers import shm_locate, unix_path  # noqa: F401  (unix_path: a fixture)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -108,6 +108,7 @@ async def test_counters_match_known_traffic_exactly(make_server, metrics_url) ->
     assert value(after, "process_resident_memory_bytes") > 0
     assert ("kvstore_busy_poll_seconds_total", frozenset()) in after  # (what it counts: test_poll)
     assert not any(name in TIER_METRICS for name, _ in after)
+    assert value(after, "kvstore_shm_offered") == 0 and not any(name in SHM_METRICS for name, _ in after)
 
 
 def test_replies_written_outside_a_request_count_in_bytes_out(make_server, metrics_url) -> None:
@@ -316,3 +317,31 @@ async def test_every_counted_request_is_timed_shm_attach_too(make_server, metric
     assert requests["shm_attach"] >= 1 and per_op("kvstore_request_duration_seconds_count") == requests
     # and logged at the level every deploy/ file runs (info): a process mapped every namespace's blocks
     srv.wait_log("event=shm_attach")
+
+
+async def test_shared_memory_counters_and_gauges_are_metrics(make_server, metrics_url, unix_path: str) -> None:
+    """(they were in STATS only: a client holding read pins till they expire showed nowhere a
+    dashboard or an alert looks)"""
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--unix", unix_path, "--lease-seconds", "1")
+    base = metrics_url(srv)
+    k = key(1, "shm-metrics")
+    async with AsyncKVClient(f"unix:{unix_path}", namespace="t") as kv:
+        await kv.put([k], [b"x" * 300_000])  # over shared memory: attached, reserved, committed
+        await shm_locate(kv, [k])  # a read handle never released
+        held, stats = scrape(base), (await kv.stats())["shm"]
+        assert value(held, "kvstore_shm_offered") == 1
+        assert value(held, "kvstore_shm_open_handles") == stats["open_handles"] == 1
+        assert value(held, "kvstore_shm_read_pins") == stats["pins"] == 1
+        assert value(held, "kvstore_shm_attached_total") == stats["attached"] >= 1
+
+        def expired() -> bool:  # past the lease, and past a housekeeping sweep (every second)
+            return value(scrape(base), "kvstore_shm_read_pins_expired_total") == 1
+
+        wait_until(expired, 10, "the read pins to expire")
+        after, stats = scrape(base), (await kv.stats())["shm"]
+    assert value(after, "kvstore_shm_open_handles") == value(after, "kvstore_shm_read_pins") == 0
+    fields = {"attached": "attached", "attach_refused": "refused", "read_pins_expired": "expired",
+              "puts_expired": "put_expired", "puts_aborted": "aborted_on_close", "inline_blocks": "inline_blocks"}
+    assert {name: value(after, f"kvstore_shm_{name}_total") for name in fields} == {
+        name: stats[field] for name, field in fields.items()}
+    assert {name for name, _ in after if name.startswith("kvstore_shm_")} == {*SHM_METRICS, "kvstore_shm_offered"}
