@@ -167,8 +167,6 @@ class Server:
         tokens = _load_tokens(config.token_file)
         self.tls = _tls_context(config)
         self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
-        if idle := config.idle_redis_flags():
-            log.warning("%s set without a Redis tier (--redis or --redis-cluster): no effect", ", ".join(idle))
         _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
         _check_bindable(config.host, config.metrics_port, "--metrics-port")
         if config.unix:

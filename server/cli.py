@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -219,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     config = config_from_args(argv)
     setup_logging(config.log_level, config.log_format)
+    if idle := config.idle_redis_flags():  # (named as given: a flag, or its KVSTORE_* variable)
+        message = f"{', '.join(idle)} set without a Redis tier (--redis or --redis-cluster): no effect"
+        logging.getLogger("kvstore.server").warning(note_env(message, argv, build_parser()._option_string_actions))
     # A setting that cannot work (a file, an address, the memory) exits 2, as a bad flag does;
     # a StartupError's message names the flag and the value (and the variable it came from).
     try:

@@ -220,6 +220,9 @@ def test_redis_settings_without_a_redis_tier_are_said_to_do_nothing() -> None:
     with ServerProcess("--capacity", "8MiB", "--redis-queue-bytes", "1MiB") as srv:
         assert "--redis-queue-bytes set without a Redis tier (--redis or --redis-cluster): no effect" in \
             srv.wait_log("no effect")
+    with ServerProcess("--capacity", "8MiB", env={"KVSTORE_REDIS_TTL": "60"}) as srv:  # (the variable unnamed)
+        assert '"--redis-ttl set without a Redis tier (--redis or --redis-cluster): no effect (set by ' \
+            'KVSTORE_REDIS_TTL)"' in srv.wait_log("no effect")
 
 
 def test_the_eviction_policy_is_taken_in_any_case() -> None:
