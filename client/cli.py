@@ -296,9 +296,10 @@ def _restarted(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
                 or sum(cur.get("requests", {}).values()) < sum(prev.get("requests", {}).values()))
 
 
-def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> str:
+def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float, own: int = 1) -> str:
     """One line of ``watch``: gauges now, rates since the previous sample (none across a restart:
-    the counters start again from 0, and differences with the old ones would be negative)."""
+    the counters start again from 0, and differences with the old ones would be negative).
+    ``own``: the requests the watch itself sent since then (left out of the rate)."""
     store = cur.get("store", {})
     restarted = prev is not None and _restarted(prev, cur)
     if restarted:
@@ -307,10 +308,11 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float) -> s
     def rate(get: Callable[[dict[str, Any]], float]) -> float:
         return (get(cur) - get(prev)) / dt if prev is not None and dt > 0 else 0.0
 
-    # Without this watch's own sample: one STATS per interval, on a connection of its own. (Its bytes,
-    # ~0.8 KB per interval, stay in: the reply's size is the server's to know.)
-    own = 1 / dt if prev is not None and dt > 0 else 0.0
-    reqs = max(0.0, rate(lambda s: sum(s.get("requests", {}).values())) - own)
+    # Without this watch's own sample: one STATS per interval, on a connection of its own, and the
+    # HELLO of each connection it opened (an --idle-timeout closed the last). (Its bytes, ~0.8 KB per
+    # interval, stay in: the reply's size is the server's to know.)
+    reqs = max(0.0, rate(lambda s: sum(s.get("requests", {}).values())) - (own / dt if prev is not None and dt > 0
+                                                                           else 0.0))
     rx, tx = rate(lambda s: s.get("bytes_in", 0)), rate(lambda s: s.get("bytes_out", 0))
     ev = rate(lambda s: s.get("store", {}).get("evictions", 0))
     hit, miss = store.get("lookup_hit_keys", 0), store.get("lookup_miss_keys", 0)
@@ -473,6 +475,7 @@ async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
     prev: dict[str, Any] | None = None
     t_prev = time.monotonic()
     n = 0
+    conns: set[Any] = set()  # the watch's connections at the last sample (a new one sent a HELLO)
     while True:
         try:
             cur, now = await kv.stats(), time.monotonic()
@@ -480,7 +483,9 @@ async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
             print(f"{time.strftime('%H:%M:%S')}  unreachable: {exc}", file=out, flush=True)
             prev, n, reached = None, n + 1, False
         else:
-            print(watch_line(prev, cur, now - t_prev), file=out, flush=True)
+            opened = [c for node in kv.nodes for c in node.conns if c not in conns]
+            conns = {c for node in kv.nodes for c in node.conns}
+            print(watch_line(prev, cur, now - t_prev, own=1 + len(opened)), file=out, flush=True)
             prev, t_prev, n, reached = cur, now, n + 1, True
         if args.count and n >= args.count:
             return 0 if reached else 1

@@ -106,6 +106,18 @@ def test_watch_leaves_its_own_sample_out_of_the_request_rate_and_connections(ser
     assert re.search(r"req/s +1\.0 ", watch_line(second, third, 1.0))  # (the PING between)
 
 
+def test_watch_leaves_its_own_reconnections_out_of_the_request_rate(make_server) -> None:
+    """(an idle server closing the watch's connection between samples read "req/s 0.7": the HELLO of
+    the watch's next connection)"""
+    srv = make_server("--capacity", "16MiB", "--idle-timeout", "1")
+    r = cli("watch", "--interval", "2.5", "--count", "3", addr=srv.addr)
+    lines = r.stdout.decode().splitlines()
+    assert r.returncode == 0 and len(lines) == 3, r.stdout + r.stderr
+    assert all(re.search(r"req/s +0\.0 .* conns 0$", line) for line in lines), lines
+    with KVClient(srv.addr, namespace="w") as kv:
+        assert kv.stats()["timeouts"]["idle"] >= 1  # (the watch did reconnect)
+
+
 def test_watch_across_a_server_restart_shows_no_negative_rates(make_server) -> None:
     """The counters of a restarted server start again from 0: watch subtracted the old ones and
     printed "req/s -32.9  in -196.1 KiB/s" for the first sample after a restart."""
