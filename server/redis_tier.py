@@ -549,6 +549,8 @@ class RedisTier(Tier):
             cmds.append(("HSET", rec, *[x for kv in namespace_record(ns, self.ttl_s).items() for x in kv]))
             cmds += [("HSET", rec, "last_put", now), ("HINCRBY", rec, "blocks_hint", n),
                      ("HINCRBY", rec, "bytes_hint", nbytes)]
+            if self.ttl_s:  # (it goes with the namespace's last blocks, not for ever)
+                cmds.append(("EXPIRE", rec, self.ttl_s))
         return cmds
 
     def _seen(self, ns: str, value_bytes: int) -> None:
@@ -757,8 +759,10 @@ class RedisTier(Tier):
                 cmds.append(("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1))
                 if step == 2:
                     cmds.append(("EXPIRE", block_key(ns, keys[i]), self.ttl_s))
+            if step == 2:  # the namespace's record lives as long as its blocks
+                cmds.append(("EXPIRE", ns_record_key(ns), self.ttl_s))
             try:
-                heads = (await self._execute(cmds))[::step]
+                heads = (await self._execute(cmds))[:step * len(ask):step]
             except Unavailable:
                 if strict:
                     raise

@@ -84,6 +84,7 @@ async def test_write_through_layout_checked_with_redis_cli(redis_server: RedisPr
     assert fields["namespace"] == NS and fields["blocks_hint"] == "4" and fields["ttl_s"] == "300"
     assert fields["segments"] == '["llama3-8b", "bf16", "tp0"]' and int(fields["created"]) > 0
     assert int(fields["bytes_hint"]) == 4 * (64 << 10)
+    assert 0 < int(redis_server.cli("TTL", ns_record_key(NS))) <= 300  # with the blocks (was -1: for ever)
 
     # The record gone (another server's flush, a Redis restarted empty): the next put writes it whole
     # again (was: the hints only, this server having written the rest once).
@@ -121,6 +122,14 @@ async def test_a_block_put_again_has_its_expiry_renewed(redis_server: RedisProce
         assert res.existed == 2
         # (was: 5 s left, the put "existed" notwithstanding; write-behind renews just after the answer)
         await eventually(renewed, 4, "the expiry renewed")
+        record = ns_record_key(NS)  # (the namespace's record expires with its blocks: it lived for ever)
+        redis_server.cli("EXPIRE", record, "5")
+        assert (await kv.put(keys[:1], data[:1])).existed == 1
+
+        async def record_renewed() -> bool:
+            return 250 < int(redis_server.cli("TTL", record)) <= 300
+
+        await eventually(record_renewed, 4, "the namespace record's expiry renewed")
     assert 0 < ttls()[2] <= 5, ttls()  # not put again: its expiry is its own
 
 
