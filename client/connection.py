@@ -44,6 +44,11 @@ def _piecewise(transport: asyncio.BaseTransport) -> bool:
     return v < (3, 12, 9) or (3, 13) <= v < (3, 13, 2)
 
 
+class NotSent(TransportError):
+    """The connection ended before any byte of this request went out: the server never saw it,
+    so it may be sent again whatever it does (a pinned lookup too)."""
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future[Any]
@@ -53,7 +58,8 @@ class _Pending:
     rid: int = 0
     dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
     orphan: Callable[[dict[str, Any]], None] | None = None  # gives back what a dropped reply hands over
-    stream_end: int = 0  # the byte offset, in what the connection sends, just past this request's frame
+    stream_start: int = 0  # the byte offset, in what the connection sends, of this request's frame
+    stream_end: int = 0  # ... and just past it
     copied: bool = False  # sent from a copy of its own (a small request, paced), not from the caller's memory
 
 
@@ -220,11 +226,19 @@ class ClientConnection(asyncio.BufferedProtocol):
             p.future.set_result(Response(p.fields or {}, p.sink))
 
     def _fail_all(self, exc: KVStoreError) -> None:
+        """Fail every pending request; those none of whose bytes reached the socket, with
+        :class:`NotSent` (an abort drops what the transport still holds)."""
         self.closed = True
         pending, self.pending = self.pending, {}
+        sent = self._given - (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+        unsent: NotSent | None = None
         for p in pending.values():
             if not p.future.done():
-                p.future.set_exception(exc)
+                if p.stream_start >= sent:
+                    unsent = unsent or NotSent(f"{exc} (before the request was sent)")
+                    p.future.set_exception(unsent)
+                else:
+                    p.future.set_exception(exc)
 
     # -- requests
     @property
@@ -329,7 +343,8 @@ class ClientConnection(asyncio.BufferedProtocol):
             frame = [v for v in (memoryview(p).cast("B") for p in encode(msg, rid, payload, payload_len)) if v.nbytes]
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
             raise InvalidRequest(f"cannot encode {type(msg).__name__}: {exc}") from None
-        p = self.pending[rid] = _Pending(asyncio.get_running_loop().create_future(), make_sink, rid=rid)
+        p = self.pending[rid] = _Pending(asyncio.get_running_loop().create_future(), make_sink, rid=rid,
+                                         stream_start=self._framed)
         p.copied = self._write(frame)
         p.stream_end = self._framed
         return p

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError
 from kvstore.protocol import Message, Ping, Unpin
 
-from .connection import ClientConnection, Response, open_connection
+from .connection import ClientConnection, NotSent, Response, open_connection
 from .shm import ShmChannel, file_id, open_channel
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ class Node:
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
                    orphan: Callable[[Response], None] | None = None) -> Response:
-        """One request, retried on a lost connection if ``idempotent``.
+        """One request, retried on a lost connection if ``idempotent``, or if it was never sent.
 
         ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
@@ -298,7 +298,7 @@ class Node:
         c = self.client
         if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
             self.check_up()
-        attempts = 1 + (c.retries if idempotent else 0)
+        attempts = 1 + c.retries
         for attempt in range(attempts):
             try:
                 conn = await self.connection()
@@ -309,7 +309,7 @@ class Node:
             except RequestTimeout:
                 raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
             except TransportError as exc:
-                if attempt == attempts - 1 or c.closed:
+                if attempt == attempts - 1 or c.closed or not (idempotent or isinstance(exc, NotSent)):
                     if c.closed:
                         raise
                     if self.addr in str(exc):

@@ -837,3 +837,27 @@ async def test_a_quarantined_server_still_gets_the_leases_it_gave_back(make_serv
                     break
                 await asyncio.sleep(0.02)
             assert (await observer.stats())["store"]["leases"] == 0
+
+
+async def test_requests_queued_behind_a_cancelled_put_are_sent_again_even_pinned(make_server: MakeServer) -> None:
+    """A caller cancelling its put while the payload goes out ends the connection; the requests
+    queued behind it on that connection never reached the server. A pinned lookup, an unpinning
+    get and an unpin (not retried: they must not run twice) failed with TransportError anyway."""
+    srv = make_server("--capacity", "64MiB")
+    keys = [key(i, "behind") for i in range(4)]
+    async with AsyncKVClient(srv.addr, namespace="q", pool_size=1) as kv:
+        await kv.put(keys, [b"x" * 4096] * 4)
+        for trial in range(5):
+            big = [key(i, f"big{trial}") for i in range(4)]
+            put = asyncio.ensure_future(kv.put(big, [bytes(4 << 20)] * 4))  # 16 MiB going out first
+            await asyncio.sleep(0)
+            pinned = asyncio.ensure_future(kv.lookup(keys, pin=True))  # behind it, on the same connection
+            await asyncio.sleep(0.002)
+            assert not put.done()
+            put.cancel()
+            assert await pinned == 4  # (sent again on a new connection)
+            assert await kv.get(keys, unpin=True) is not None
+            assert (await kv.stats())["store"]["leases"] == 0
+            await asyncio.gather(put, return_exceptions=True)
+        stats = await kv.stats()
+    assert stats["store"]["lookups"] == 5  # each pinned lookup ran once
