@@ -226,15 +226,17 @@ class ClientConnection(asyncio.BufferedProtocol):
             p.future.set_result(Response(p.fields or {}, p.sink))
 
     def _fail_all(self, exc: KVStoreError) -> None:
-        """Fail every pending request; those none of whose bytes reached the socket, with
-        :class:`NotSent` (an abort drops what the transport still holds)."""
+        """Fail every pending request; on a connection lost (not refused by the server), those none
+        of whose bytes reached the socket with :class:`NotSent` (an abort drops what the transport
+        still holds)."""
         self.closed = True
         pending, self.pending = self.pending, {}
         sent = self._given - (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+        lost = isinstance(exc, TransportError)
         unsent: NotSent | None = None
         for p in pending.values():
             if not p.future.done():
-                if p.stream_start >= sent:
+                if lost and p.stream_start >= sent:
                     unsent = unsent or NotSent(f"{exc} (before the request was sent)")
                     p.future.set_exception(unsent)
                 else:

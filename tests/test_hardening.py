@@ -507,3 +507,32 @@ def test_a_client_still_sending_when_its_frame_is_refused_reads_the_answer(make_
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:  # and it keeps serving
         sock.sendall(b"".join(bytes(b) for b in encode(Ping(), 1)))
         assert sock.recv(HEADER.size)[:2] == MAGIC
+
+
+async def test_a_meta_of_millions_of_empty_maps_is_refused_without_decoding_them(make_server) -> None:
+    """(each such 4 MiB frame cost the server ~300 MB and ~0.4 s of its event loop before the
+    batch limit refused it; ten at once held another client's PING for seconds)"""
+    from kvstore.protocol import ErrorReply, Frame, FrameReader, NEED_DATA
+
+    srv = make_server("--capacity", "16MiB")
+    assert srv.proc is not None
+    meta = b"\x81\xa4keys\xdc\x00\xff" + (b"\xdc\x3f\xff" + b"\x80" * 0x3FFF) * 255  # 4,178,438 bytes
+    before = rss_kib(srv.proc.pid)
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    try:
+        writer.write(HEADER.pack(MAGIC, VERSION, Get.OP, 7, len(meta), 0) + meta)
+        frames = FrameReader(is_server=False)
+        got: list[Frame] = []
+        while data := await asyncio.wait_for(reader.read(65536), 10):  # (until the server closes)
+            frames.feed(data)
+            while (ev := frames.next_event()) is not NEED_DATA:
+                got.append(ev)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    assert len(got) == 1 and isinstance(got[0].msg, ErrorReply) and got[0].msg.code == 9
+    assert "more than 64 maps and arrays" in got[0].msg.message
+    assert rss_kib(srv.proc.pid) - before < 64 << 10  # (was ~300 MB more)
+    async with AsyncKVClient(srv.addr, namespace="after") as kv:
+        await kv.ping()

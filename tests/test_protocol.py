@@ -189,6 +189,32 @@ def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
     assert frame.msg is None and isinstance(frame.error, exc)
 
 
+def _request(meta: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, Get.OP, 3, len(meta), 0) + meta
+
+
+@pytest.mark.parametrize("inner", [b"\x80", b"\x90"])  # an empty map, an empty array: one byte each
+def test_a_request_meta_of_millions_of_containers_is_refused_at_the_start(inner: bytes) -> None:
+    """(4 MiB of empty maps decoded whole: ~0.4 s of the server's event loop and ~300 MB, and then
+    refused for the batch) -- flat, and nested one array deep."""
+    n = (4 << 20) - 64
+    for meta in (b"\x81\xa4keys\xdd" + n.to_bytes(4, "big") + inner * n,
+                 b"\x81\xa4keys\xdc\x01\x00" + (b"\xdc\x3f\xff" + inner * 0x3FFF) * 256):
+        with pytest.raises(ProtocolError, match="exceeds max_array_len|more than 64 maps and arrays"):
+            events(FrameReader(Limits()), _request(meta[:(4 << 20)]), chunk=1 << 20)
+
+
+def test_a_request_array_far_over_the_batch_limit_is_a_protocol_error_and_a_little_over_too_large() -> None:
+    reader = FrameReader(Limits(max_batch=16))
+    (frame,) = events(reader, wire(encode(Lookup(keys=[b"k"] * (2 * 16 + 64)), 3)))
+    assert isinstance(frame.error, TooLarge)  # (answered, the connection goes on)
+    with pytest.raises(ProtocolError, match="exceeds max_array_len"):
+        events(reader, wire(encode(Lookup(keys=[b"k"] * (2 * 16 + 65)), 4)))
+    replies = FrameReader(Limits(max_batch=16), is_server=False)  # (a client reads replies unbounded)
+    (frame,) = events(replies, wire(encode(Reply(op=Lookup.OP, fields={"found": [1] * 1000}), 4)))
+    assert frame.msg.fields["found"] == [1] * 1000
+
+
 @pytest.mark.parametrize("field", ["sizes", "checksums"])
 def test_a_value_nested_deeper_than_repr_goes_is_an_invalid_request_not_a_crash(field: str) -> None:
     """msgpack decodes ~1000 levels of lists, more than Python's repr can print: the checks that
