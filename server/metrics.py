@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -308,13 +310,18 @@ def health(service: Service, draining: bool, *, ready_only: bool = False) -> tup
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 _MAX_HEAD = 8192
 _READ_TIMEOUT = 5.0
+#: Connections the listener serves at once: one more is answered 503 and closed at once. Each
+#: waits up to _READ_TIMEOUT for its request, and the server's descriptors besides its clients'
+#: are few (``app.FD_RESERVE``): idle connections here must not take the clients' room.
+MAX_SCRAPES = 16
 
 
 class MetricsServer:
     """A minimal HTTP/1.0 listener for ``/metrics``, ``/readyz``, ``/healthz`` and ``/livez``.
 
     Every response closes its connection (Prometheus and kubelet open one per
-    probe); a request head must arrive within 5 s and 8 KiB.
+    probe); a request head must arrive within 5 s and 8 KiB; :data:`MAX_SCRAPES`
+    connections at once.
     """
 
     def __init__(self, service: Service, host: str, port: int, draining: Callable[[], bool]) -> None:
@@ -324,6 +331,8 @@ class MetricsServer:
         self.draining = draining
         self.registry = make_registry(service)
         self._server: asyncio.AbstractServer | None = None
+        self._open = 0
+        self._refused_logged = -math.inf
 
     async def start(self) -> int:
         """Listen; returns the bound port (``port=0`` picks a free one)."""
@@ -338,13 +347,28 @@ class MetricsServer:
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        method = "GET"
+        self._open += 1
         try:
-            method, path = await asyncio.wait_for(_read_head(reader), _READ_TIMEOUT)
-            status, ctype, body = self.respond(method, path)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
-                ConnectionError):
-            status, ctype, body = 400, "text/plain", b"bad request\n"
+            await self._serve(reader, writer)
+        finally:
+            self._open -= 1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method = "GET"
+        if self._open > MAX_SCRAPES:
+            status, ctype, body = 503, "text/plain", b"too many connections to the metrics listener\n"
+            now = time.monotonic()
+            if now - self._refused_logged > 10.0:
+                self._refused_logged = now
+                log.warning("metrics listener: %d connections open, refusing more (idle ones wait up to %.0f s "
+                            "for their request)", MAX_SCRAPES, _READ_TIMEOUT, extra={"event": "metrics_refused"})
+        else:
+            try:
+                method, path = await asyncio.wait_for(_read_head(reader), _READ_TIMEOUT)
+                status, ctype, body = self.respond(method, path)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                    ConnectionError):
+                status, ctype, body = 400, "text/plain", b"bad request\n"
         head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import socket
 import time
@@ -345,3 +346,25 @@ async def test_shared_memory_counters_and_gauges_are_metrics(make_server, metric
     assert {name: value(after, f"kvstore_shm_{name}_total") for name in fields} == {
         name: stats[field] for name, field in fields.items()}
     assert {name for name, _ in after if name.startswith("kvstore_shm_")} == {*SHM_METRICS, "kvstore_shm_offered"}
+
+
+async def test_idle_connections_to_the_metrics_port_cannot_take_the_clients_descriptors(make_server, metrics_url) -> None:
+    """(the listener had no cap: ~1,100 idle connections to it used up a server's open-file limit,
+    and new kvstore clients were closed without an answer, a log line or a counter)"""
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0")
+    assert srv.proc is not None
+    base = metrics_url(srv)
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    fds = len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(100)]
+    try:
+        srv.wait_log("metrics listener: 16 connections open, refusing more")
+        status, _, body = http(base + "/metrics")  # (one more: answered at once, not held)
+        assert status == 503 and "too many connections" in body
+        assert len(os.listdir(f"/proc/{srv.proc.pid}/fd")) < fds + 16 + 8  # (the 84 others answered, closed)
+        async with AsyncKVClient(srv.addr, namespace="m") as kv:
+            await kv.put([key(1, "fd")], [b"x"])
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(lambda: http(base + "/metrics")[0] == 200, 10, "the listener to serve again")
