@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
-from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError
+from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unavailable
 from kvstore.protocol import Message, Ping, Unpin
 
 from .connection import ClientConnection, NotSent, Response, open_connection
@@ -163,9 +163,11 @@ class Node:
             if conn.closed:  # (one of the caller's attempts: reconnecting here never ends with a peer that hangs up)
                 raise conn.close_reason or TransportError(f"{self.addr} closed the connection")
             return conn
-        # Refused (say, the server's connection limit) while other connections are open or
-        # opening: use those rather than fail the call.
-        pending = set(self.opening)
+        # Refused (the server's connection limit) while other connections are open or opening:
+        # use those rather than fail the call. (Not after a connect that failed otherwise: waiting
+        # for connects begun since, by other callers, would cost this call more than its own
+        # connect_timeout per attempt.)
+        pending = set(self.opening) if isinstance(error, Unavailable) else set()
         while pending and not any(not c.closed for c in self.conns):
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         live = [c for c in self.conns if not c.closed]

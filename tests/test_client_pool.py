@@ -861,3 +861,30 @@ async def test_requests_queued_behind_a_cancelled_put_are_sent_again_even_pinned
             await asyncio.gather(put, return_exceptions=True)
         stats = await kv.stats()
     assert stats["store"]["lookups"] == 5  # each pinned lookup ran once
+
+
+async def test_a_connect_that_fails_does_not_wait_for_connects_other_callers_began_since() -> None:
+    """A call whose own connect failed waited for every connect still in progress, also those
+    other callers began after it: against a silent server an attempt cost up to twice
+    connect_timeout, and a call up to ~5.4 s where its connect_timeout * (1 + retries) was 3 s."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up
+        writer.close()
+
+    peer = await asyncio.start_server(silent, "127.0.0.1", 0)
+    kv = AsyncKVClient(f"127.0.0.1:{peer.sockets[0].getsockname()[1]}", pool_size=2, connect_timeout=1.0,
+                       retries=0)
+    try:
+        first = asyncio.ensure_future(kv.exists([key(0, "first")]))
+        await asyncio.sleep(0.5)
+        second = asyncio.ensure_future(kv.exists([key(1, "second")]))  # its own connect, 0.5 s behind
+        await asyncio.sleep(0)
+        with pytest.raises(TransportError, match="did not answer HELLO"):
+            await first
+        assert not second.done() and len(kv.nodes[0].opening) == 1  # (it had waited for this one too)
+        with pytest.raises(TransportError, match="did not answer HELLO"):
+            await second
+    finally:
+        await kv.close()
+        peer.close()
+        await peer.wait_closed()
