@@ -86,9 +86,11 @@ class AsyncKVClient:
         connect_timeout: seconds to connect, say HELLO and map a same-host server's arena
             (None: no limit); with ``retries``, a server that never answers costs a call up to
             ``connect_timeout * (1 + retries)`` (and the backoff) before ``TransportError``,
-            however many calls share the client: they wait for the same connects.
+            however many calls share the client: they wait for the same connects (a call sent
+            on a connection as the server stopped answering waits up to ``timeout`` first).
         retries: retries of a request after a transport error (never of a pinning lookup,
-            an unpinning get or an unpin: the server may have run them already).
+            an unpinning get or an unpin: the server may have run them already -- unless
+            their connection ended before any of their bytes went out).
         quarantine: seconds a server that timed out or could not be reached is not asked:
             calls to it fail at once with ``TransportError`` (over several servers, a lookup
             or exists answers from the others at once), then the next call tries it again;
