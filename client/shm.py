@@ -31,6 +31,7 @@ import mmap
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
@@ -88,6 +89,8 @@ class ShmSegment:
         self.page_size = page_size
         self.instance = instance
         self.socket: tuple[str, FileId] | None = None  # the server's socket file (path, file_id) when attached
+        self.inherited = False  # a forked child's copy of its parent's: no pages behind it here
+        _segments.add(self)
 
     def views(self, loc: Any) -> list[memoryview]:
         """The arena byte ranges ``[[offset, length], ...]`` as views, checked against the mapping.
@@ -97,6 +100,8 @@ class ShmSegment:
                 offset blindly; nor a block that names the same bytes many times over).
             TransportError: the mapping was closed (with the client).
         """
+        if self.inherited:
+            raise TransportError("the shared arena was mapped by the parent of this forked process")
         if not isinstance(loc, list):
             raise ProtocolError("malformed shm location")
         for item in loc:
@@ -113,11 +118,30 @@ class ShmSegment:
 
     def close(self) -> None:
         """Unmap (left to the garbage collector if a view of it is still alive somewhere)."""
+        if self.inherited:
+            return  # (see _forget_inherited)
         try:
             self.buffer.release()
             self.region.close()
         except BufferError:
             pass
+
+
+_segments: weakref.WeakSet[ShmSegment] = weakref.WeakSet()
+#: The mmap objects of arenas a forked child inherited, kept for the child's whole life: the
+#: arena is mapped MADV_DONTFORK, so the child has a hole at its address, where its own mappings
+#: (its own client's arena, malloc's) may land; freeing the inherited object would munmap them.
+_inherited: list[mmap.mmap] = []
+
+
+def _forget_inherited() -> None:
+    for segment in list(_segments):
+        segment.inherited = True
+        _inherited.append(segment.region)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited)
 
 
 def attach(path: str, *, namespace: str, token: str | None, timeout: float | None) -> ShmSegment:

@@ -272,6 +272,49 @@ def test_a_forked_child_does_not_inherit_the_arena(make_server: MakeServer, unix
         assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_forked_child_closing_its_parents_async_client_keeps_its_own_arena(make_server: MakeServer,
+                                                                              unix_path: str) -> None:
+    """The child inherits the parent's arena as an object only (MADV_DONTFORK): its own client's
+    arena was mapped at the same address, and closing the parent's client unmapped it there -- the
+    child's next copy died of SIGSEGV."""
+    make_server("--capacity", "64MiB", "--unix", unix_path)
+    loop = asyncio.new_event_loop()
+    parent = AsyncKVClient(f"unix:{unix_path}", namespace="fork")
+    keys, blocks = [key(i, "forkshm") for i in range(4)], [bytes([i + 1]) * (1 << 20) for i in range(4)]
+    try:
+        loop.run_until_complete(parent.put(keys, blocks))
+        assert parent.nodes[0].shm is not None
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(20)
+            code = 3
+            try:
+                async def child() -> int:
+                    own = AsyncKVClient(f"unix:{unix_path}", namespace="fork")
+                    bufs = [bytearray(1 << 20) for _ in range(4)]
+                    await own.get_into(keys, bufs)
+                    assert own.nodes[0].shm is not None
+                    await parent.close()
+                    parent.nodes[0].shm = None  # (the last reference to the inherited copy)
+                    gc.collect()
+                    bufs = [bytearray(1 << 20) for _ in range(4)]
+                    await own.get_into(keys, bufs)  # (SIGSEGV here: its arena was unmapped)
+                    await own.close()
+                    return 0 if bufs == blocks else 1
+                code = asyncio.run(child())
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        bufs = [bytearray(1 << 20) for _ in range(4)]
+        loop.run_until_complete(parent.get_into(keys, bufs))
+        assert bufs == blocks
+    finally:
+        loop.run_until_complete(parent.close())
+        loop.close()
+
+
 async def test_an_idle_timeout_keeps_the_arena_mapped(make_server: MakeServer, unix_path: str) -> None:
     """Only a server that stops makes the client let go of its arena: after an idle timeout the
     server is still there, and attaching again would populate the whole mapping anew."""
