@@ -44,6 +44,11 @@ def _piecewise(transport: asyncio.BaseTransport) -> bool:
     return v < (3, 12, 9) or (3, 13) <= v < (3, 13, 2)
 
 
+class NotHome(TransportError):
+    """A client used from another event loop than its first, or in a forked child: the caller's
+    mistake, raised at once (not retried, and not held against the server)."""
+
+
 class NotSent(TransportError):
     """The connection ended before any byte of this request went out: the server never saw it,
     so it may be sent again whatever it does (a pinned lookup too)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unavailable
 from kvstore.protocol import Message, Ping, Unpin
 
-from .connection import ClientConnection, NotSent, Response, open_connection
+from .connection import ClientConnection, NotHome, NotSent, Response, open_connection
 from .shm import ShmChannel, file_id, open_channel
 
 if TYPE_CHECKING:
@@ -132,10 +132,9 @@ class Node:
             self.home = (_forks[0], asyncio.get_running_loop())
         elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
             if self.home[0] != _forks[0]:
-                raise TransportError("this AsyncKVClient was made in the parent of a fork; make a new one "
-                                     "in this process")
-            raise TransportError("this AsyncKVClient's connections belong to the event loop it first ran on "
-                                 "(an asyncio.run per call?); use one client per event loop")
+                raise NotHome("this AsyncKVClient was made in the parent of a fork; make a new one in this process")
+            raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on "
+                          "(an asyncio.run per call?); use one client per event loop")
         for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
             if not conn.pending and not conn.closed:
                 return conn
@@ -310,6 +309,8 @@ class Node:
                 return resp
             except RequestTimeout:
                 raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
+            except NotHome:
+                raise  # (the caller's mistake: nothing to retry, and the server is not at fault)
             except TransportError as exc:
                 if attempt == attempts - 1 or c.closed or not (idempotent or isinstance(exc, NotSent)):
                     if c.closed:

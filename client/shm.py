@@ -47,7 +47,7 @@ from kvstore.protocol import (
 )
 
 from . import replies
-from .connection import ClientConnection, Response
+from .connection import ClientConnection, NotHome, Response
 from .workers import run_parallel
 
 if TYPE_CHECKING:
@@ -409,8 +409,8 @@ class ShmChannel:
                 return result
             except RequestTimeout as exc:
                 raise self.node.failed(exc)  # like every other call: a timeout is not retried
-            except ShmGone:
-                raise  # (the socket path takes over)
+            except (ShmGone, NotHome):
+                raise  # (the socket path takes over; a client used where it is not at home)
             except TransportError as exc:
                 # A put is retried whole: a TransportError means its connection is gone (conn.request
                 # raises one only then), and the server aborts a closed connection's reservations

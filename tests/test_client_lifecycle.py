@@ -710,3 +710,16 @@ print("ok", flush=True)
 """)
     assert "ping: a KVClient call cannot wait here: this is the clients' own event-loop thread" in out
     assert out.rstrip().endswith("ok")
+
+
+async def test_a_call_from_another_event_loop_is_refused_at_once_and_not_held_against_the_server(
+        make_server: MakeServer) -> None:
+    """It was retried (with backoff), then counted as the server failing: with a quarantine, the
+    client's own loop found a healthy server "not asked for 5.0s more"."""
+    srv = make_server("--capacity", "8MiB")
+    async with AsyncKVClient(srv.addr, namespace="loops", quarantine=5.0, retries=2, backoff=1.0) as kv:
+        await kv.ping()
+        with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
+            await asyncio.to_thread(asyncio.run, kv.ping())  # (backoff 1.0: retried, it took 3 s)
+        assert kv.nodes[0].down_error is None
+        await kv.ping()
