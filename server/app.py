@@ -205,12 +205,15 @@ class Server:
         # A TLS connection joins self.connections once its handshake is done; until then it counts
         # here (it leaves this weak set with the protocol object when the handshake fails).
         handshaking = sum(1 for c in self._handshaking if c.transport is None and not c.lost)
+        conn: Connection | RejectedConnection
         if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
-            return RejectedConnection(self.max_connections, self.service.counters)
-        conn = Connection(self.service, self.limits, self.connections, self.poll)
+            conn = RejectedConnection(self.max_connections, self.service.counters)
+        else:
+            conn = Connection(self.service, self.limits, self.connections, self.poll)
+            if self.tls is not None:
+                self._handshaking.add(conn)
         if self.tls is not None:
-            self._handshaking.add(conn)
             # The handshake's outcome reaches no protocol callback: a connection whose handshake
             # fails (or times out) is dropped before its connection_made, and let go of at once.
             weakref.finalize(conn, self._handshake_over, conn.session).atexit = False

@@ -34,7 +34,7 @@ from kvstore.sockets import tune
 from kvstore.store import BlockRef
 
 from .poll import BusyPoll
-from .service import Counters, GetResult, PutSink, Service, error_fields
+from .service import Counters, GetResult, PutSink, Service, Session, error_fields
 from .shm import unix_peer
 
 log = logging.getLogger(__name__)
@@ -458,7 +458,8 @@ class Connection(asyncio.BufferedProtocol):
 class RejectedConnection(asyncio.Protocol):
     """A connection over ``--max-connections``: one error reply (request id 0, ``Unavailable``), closed at once.
 
-    It never gets a frame reader or a session, so a flood of them costs a socket each, briefly.
+    It never gets a frame reader (its ``session`` tells only whether a TLS handshake came
+    through), so a flood of them costs a socket each, briefly.
     """
 
     _last_log = 0.0  # rate-limits the warning: a flood must not flood the log too
@@ -466,9 +467,11 @@ class RejectedConnection(asyncio.Protocol):
     def __init__(self, limit: int, counters: Counters) -> None:
         self.limit = limit
         self.counters = counters  # (the reply counts in bytes_out)
+        self.session = Session()  # (only .connected: its TLS handshake succeeded)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
+        self.session.connected = True
         message = f"server is at its limit of {self.limit} connections; try again later"
         reply = error_reply(0, Unavailable.code, message)
         transport.writelines(reply)

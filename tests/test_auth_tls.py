@@ -230,6 +230,21 @@ async def test_failed_and_timed_out_tls_handshakes_are_counted_and_logged(make_s
         assert "kvstore_tls_handshake_failures_total 3.0" in resp.read().decode()
 
 
+async def test_a_failed_tls_handshake_over_the_connection_limit_is_counted_too(make_server,
+                                                                              tls_files: dict[str, Path]) -> None:
+    srv = make_server("--capacity", "8MiB", "--max-connections", "1", "--tls-cert", str(tls_files["cert"]),
+                      "--tls-key", str(tls_files["key"]))
+    async with AsyncKVClient(srv.addr, tls=str(tls_files["ca"]), pool_size=1) as kv:
+        await kv.ping()  # (the one slot)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:  # plaintext: refused
+            s.sendall(frames(Ping()))
+            read_all(s)
+        deadline = time.monotonic() + 5
+        while (stats := await kv.stats())["tls_handshake_failures"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert (stats["tls_handshake_failures"], stats["connections_rejected"]) == (1, 1)
+
+
 async def test_connect_over_several_servers_raises_a_refused_tls_handshake(make_server, tls_files: dict[str, Path]) -> None:
     """No TLS where the client asks for it (or a certificate refused) is the caller's to fix, not an
     outage: connect() over several servers passed it over, and an engine ran on with a shard it
