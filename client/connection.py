@@ -86,6 +86,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._framed = self._given = 0  # bytes of frames given to _write / to the transport
         self._pump_soon: asyncio.Handle | None = None
         self._answer: Any = None  # (paced: a poll object on the socket)
+        self._tls = False
         self.closed = False
         self.close_reason: KVStoreError | None = None
         self.hello: dict[str, Any] = {}
@@ -96,6 +97,8 @@ class ClientConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
+        # (over TLS the transport's buffer counts ciphertext, records larger than what was given it)
+        self._tls = transport.get_extra_info("sslcontext") is not None
         tune(transport.get_extra_info("socket"))
         if _piecewise(transport):
             self._out = deque()
@@ -236,7 +239,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         still holds)."""
         self.closed = True
         pending, self.pending = self.pending, {}
-        sent = self._given - (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+        held = self.transport.get_write_buffer_size() if self.transport is not None and not self._tls else 0
+        sent = self._given - held  # (over TLS: all it was given, which never makes too much NotSent)
         lost = isinstance(exc, TransportError)
         unsent: NotSent | None = None
         for p in pending.values():
