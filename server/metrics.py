@@ -310,9 +310,10 @@ def health(service: Service, draining: bool, *, ready_only: bool = False) -> tup
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 _MAX_HEAD = 8192
 _READ_TIMEOUT = 5.0
-#: Connections the listener serves at once: one more is answered 503 and closed at once. Each
-#: waits up to _READ_TIMEOUT for its request, and the server's descriptors besides its clients'
-#: are few (``app.FD_RESERVE``): idle connections here must not take the clients' room.
+#: Connections the listener holds at once. One more ends the oldest still waiting for its request
+#: (each may wait _READ_TIMEOUT), or is answered 503 where all are being answered: the server's
+#: descriptors besides its clients' are few (``app.FD_RESERVE``), and idle connections here must
+#: take neither the clients' room nor a probe's.
 MAX_SCRAPES = 16
 
 
@@ -321,7 +322,7 @@ class MetricsServer:
 
     Every response closes its connection (Prometheus and kubelet open one per
     probe); a request head must arrive within 5 s and 8 KiB; :data:`MAX_SCRAPES`
-    connections at once.
+    connections at once; an answer not taken within 5 s is dropped.
     """
 
     def __init__(self, service: Service, host: str, port: int, draining: Callable[[], bool]) -> None:
@@ -332,6 +333,8 @@ class MetricsServer:
         self.registry = make_registry(service)
         self._server: asyncio.AbstractServer | None = None
         self._open = 0
+        self._idle: dict[asyncio.StreamWriter, None] = {}  # connections waiting for their request, oldest first
+        self._dropped: set[asyncio.StreamWriter] = set()  # of those, closed for a newer one (no longer open)
         self._refused_logged = -math.inf
 
     async def start(self) -> int:
@@ -351,33 +354,49 @@ class MetricsServer:
         try:
             await self._serve(reader, writer)
         finally:
-            self._open -= 1
+            if writer in self._dropped:
+                self._dropped.discard(writer)
+            else:
+                self._open -= 1
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         method = "GET"
-        if self._open > MAX_SCRAPES:
+        if self._open > MAX_SCRAPES and self._idle:
+            oldest = next(iter(self._idle))
+            del self._idle[oldest]
+            self._dropped.add(oldest)
+            self._open -= 1
+            oldest.transport.abort()  # (its wait for a request ends, its answer goes nowhere)
+            self._say_full("closed the oldest one waiting for its request")
+        if self._open > MAX_SCRAPES:  # (all of them being answered)
+            self._say_full("refusing more")
             status, ctype, body = 503, "text/plain", b"too many connections to the metrics listener\n"
-            now = time.monotonic()
-            if now - self._refused_logged > 10.0:
-                self._refused_logged = now
-                log.warning("metrics listener: %d connections open, refusing more (idle ones wait up to %.0f s "
-                            "for their request)", MAX_SCRAPES, _READ_TIMEOUT, extra={"event": "metrics_refused"})
         else:
+            self._idle[writer] = None
             try:
                 method, path = await asyncio.wait_for(_read_head(reader), _READ_TIMEOUT)
                 status, ctype, body = self.respond(method, path)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
                     ConnectionError):
                 status, ctype, body = 400, "text/plain", b"bad request\n"
+            finally:
+                self._idle.pop(writer, None)
         head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:
             writer.write(head if method == "HEAD" else head + body)
-            await writer.drain()
-        except ConnectionError:
-            pass
+            await asyncio.wait_for(writer.drain(), _READ_TIMEOUT)
+        except (ConnectionError, asyncio.TimeoutError):
+            writer.transport.abort()  # (a peer that does not read its answer keeps no slot)
         finally:
             writer.close()
+
+    def _say_full(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._refused_logged > 10.0:  # (a flood must not flood the log too)
+            self._refused_logged = now
+            log.warning("metrics listener: %d connections open, %s (each may wait %.0f s for its request)",
+                        MAX_SCRAPES, what, _READ_TIMEOUT, extra={"event": "metrics_refused"})
 
     def respond(self, method: str, path: str) -> tuple[int, str, bytes]:
         """Route one request: (status, content type, body)."""
