@@ -11,6 +11,7 @@ import resource
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -39,6 +40,30 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
     while await asyncio.wait_for(reader.read(65536), seconds):
         pass
     return time.monotonic() - t0
+
+
+async def exchange(port: int, data: bytes, count: int | None = None) -> list[Any]:
+    """Send raw bytes; the frames answered: ``count`` of them (the connection must stay open that
+    long), or all until the server closes."""
+    from kvstore.protocol import FrameReader, NEED_DATA
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    frames, got = FrameReader(is_server=False), []
+    try:
+        writer.write(data)
+        while count is None or len(got) < count:
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                assert count is None, "the server closed the connection"
+                break
+            frames.feed(chunk)
+            while (ev := frames.next_event()) is not NEED_DATA:
+                got.append(ev)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    return got
 
 
 # ---------------------------------------------------------------- timeouts
@@ -457,28 +482,14 @@ async def test_empty_blocks_in_a_put_that_never_arrives_whole_evict_nothing(make
 async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goes_on(make_server) -> None:
     """A PUT whose sizes hold a list nested 1000 deep (msgpack allows it; Python's repr does not)
     used to end in an internal error and a closed connection."""
-    from kvstore.protocol import FrameReader, Frame, NEED_DATA, ErrorReply
+    from kvstore.protocol import ErrorReply
 
     srv = make_server("--capacity", "16MiB", "--log-format", "json")
     # (packed by hand: msgpack before 1.2 refuses to pack 1000 levels, which its unpacker takes)
     meta = msgpack.packb({"keys": [key(0, "deep")], "sizes": ["DEEP"], "checksums": []}).replace(
         msgpack.packb("DEEP"), b"\x91" * 1000 + b"\x00")
-    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-    try:
-        writer.write(HEADER.pack(MAGIC, VERSION, Put.OP, 7, len(meta), 0) + meta)
-        writer.write(b"".join(bytes(b) for b in encode(Ping(), 8)))
-        frames = FrameReader(is_server=False)
-        got: list[Frame] = []
-        while len(got) < 2:
-            data = await asyncio.wait_for(reader.read(65536), 5)
-            assert data, "the server closed the connection"
-            frames.feed(data)
-            while (ev := frames.next_event()) is not NEED_DATA:
-                got.append(ev)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    got = await exchange(srv.port, HEADER.pack(MAGIC, VERSION, Put.OP, 7, len(meta), 0) + meta
+                         + b"".join(bytes(b) for b in encode(Ping(), 8)), count=2)
     assert got[0].request_id == 7 and isinstance(got[0].msg, ErrorReply) and got[0].msg.code == 2  # InvalidRequest
     assert got[1].request_id == 8 and not isinstance(got[1].msg, ErrorReply)  # and PING still answered
     assert srv.stop() == 0
@@ -512,25 +523,13 @@ def test_a_client_still_sending_when_its_frame_is_refused_reads_the_answer(make_
 async def test_a_meta_of_millions_of_empty_maps_is_refused_without_decoding_them(make_server) -> None:
     """(each such 4 MiB frame cost the server ~300 MB and ~0.4 s of its event loop before the
     batch limit refused it; ten at once held another client's PING for seconds)"""
-    from kvstore.protocol import ErrorReply, Frame, FrameReader, NEED_DATA
+    from kvstore.protocol import ErrorReply
 
     srv = make_server("--capacity", "16MiB")
     assert srv.proc is not None
     meta = b"\x81\xa4keys\xdc\x00\xff" + (b"\xdc\x3f\xff" + b"\x80" * 0x3FFF) * 255  # 4,178,438 bytes
     before = rss_kib(srv.proc.pid)
-    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-    try:
-        writer.write(HEADER.pack(MAGIC, VERSION, Get.OP, 7, len(meta), 0) + meta)
-        frames = FrameReader(is_server=False)
-        got: list[Frame] = []
-        while data := await asyncio.wait_for(reader.read(65536), 10):  # (until the server closes)
-            frames.feed(data)
-            while (ev := frames.next_event()) is not NEED_DATA:
-                got.append(ev)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    got = await exchange(srv.port, HEADER.pack(MAGIC, VERSION, Get.OP, 7, len(meta), 0) + meta)
     assert len(got) == 1 and isinstance(got[0].msg, ErrorReply) and got[0].msg.code == 9
     assert "more than 64 maps and arrays" in got[0].msg.message
     assert rss_kib(srv.proc.pid) - before < 64 << 10  # (was ~300 MB more)
