@@ -311,8 +311,8 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float, own:
     # Without this watch's own sample: one STATS per interval, on a connection of its own, and the
     # HELLO of each connection it opened (an --idle-timeout closed the last). (Its bytes, ~0.8 KB per
     # interval, stay in: the reply's size is the server's to know.)
-    reqs = max(0.0, rate(lambda s: sum(s.get("requests", {}).values())) - (own / dt if prev is not None and dt > 0
-                                                                           else 0.0))
+    own_rate = own / dt if prev is not None and dt > 0 else 0.0
+    reqs = max(0.0, rate(lambda s: sum(s.get("requests", {}).values())) - own_rate)
     rx, tx = rate(lambda s: s.get("bytes_in", 0)), rate(lambda s: s.get("bytes_out", 0))
     ev = rate(lambda s: s.get("store", {}).get("evictions", 0))
     hit, miss = store.get("lookup_hit_keys", 0), store.get("lookup_miss_keys", 0)

@@ -317,7 +317,7 @@ class FrameReader:
                 meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
         except ProtocolError:
             raise
-        except ValueError as exc:  # (one of the bounds below, or garbage)
+        except ValueError as exc:  # (a bound of _unpack_request's, or garbage)
             raise ProtocolError(f"bad msgpack meta: ValueError: {str(exc)[:200]}") from None
         except Exception as exc:  # msgpack raises many types on garbage
             raise ProtocolError(f"bad msgpack meta: {exc.__class__.__name__}") from None

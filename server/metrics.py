@@ -77,7 +77,8 @@ _SHM_COUNTERS = {
                                      "that hung or died mid-copy)"),
     "put_expired": ("puts_expired", "SHM_PUTs aborted uncommitted after --max-lease-seconds"),
     "aborted_on_close": ("puts_aborted", "SHM_PUTs aborted uncommitted as their connection closed"),
-    "inline_blocks": ("inline_blocks", "Blocks SHM_GETs sent on the socket (read from the tier but not promoted: no room, or a bad checksum)"),
+    "inline_blocks": ("inline_blocks", "Blocks SHM_GETs sent on the socket (read from the tier but not promoted: "
+                                       "no room, or a bad checksum)"),
 }
 _SHM_GAUGES = {
     "open_handles": ("kvstore_shm_open_handles", "SHM_GET and SHM_PUT handles not yet released or committed"),
@@ -381,6 +382,8 @@ class MetricsServer:
                 status, ctype, body = 400, "text/plain", b"bad request\n"
             finally:
                 self._idle.pop(writer, None)
+            if writer in self._dropped:
+                return  # (closed for a newer connection: no answer)
         head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:
