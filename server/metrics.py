@@ -382,14 +382,14 @@ class MetricsServer:
                 status, ctype, body = 400, "text/plain", b"bad request\n"
             finally:
                 self._idle.pop(writer, None)
-            if writer in self._dropped:
-                return  # (closed for a newer connection: no answer)
+            if writer.transport.is_closing():
+                return  # (reset by the peer, or closed for a newer connection: no answer)
         head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:
             writer.write(head if method == "HEAD" else head + body)
             await asyncio.wait_for(writer.drain(), _READ_TIMEOUT)
-        except (ConnectionError, asyncio.TimeoutError):
+        except (ConnectionError, RuntimeError, asyncio.TimeoutError):  # (RuntimeError: closed meanwhile)
             writer.transport.abort()  # (a peer that does not read its answer keeps no slot)
         finally:
             writer.close()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -367,3 +368,9 @@ async def test_idle_connections_to_the_metrics_port_cannot_take_the_clients_desc
     finally:
         for s in idle:
             s.close()
+    for _ in range(50):  # connections reset at once (a load balancer's check, a port scan)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert http(base + "/livez")[0] == 200
+    srv.stop()
+    assert not [line for line in srv.log if "level=error" in line or "Traceback" in line]  # (one per connection)
