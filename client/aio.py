@@ -33,7 +33,7 @@ from kvstore.protocol import (
 
 from . import replies, workers
 from .buffers import GetSink, Recycler
-from .connection import Response
+from .connection import NotHome, Response
 from .node import Node
 from .shm import GetOutcome, ShmGone
 from .sharding import Ring
@@ -159,6 +159,8 @@ class AsyncKVClient:
         self._block_bytes = 0  # average block size of the last get: how big an unsized read is
         self.nodes = [Node(a, self) for a in addrs]
         self.closed = False  # by close(), until connect()
+        #: (fork count, event loop) of the connections, to all its servers: set by the first call
+        self.home: tuple[int, asyncio.AbstractEventLoop] | None = None
         self._background: set[asyncio.Future[None]] = set()  # leases given back after a failed lookup
         self.ring = Ring([n.addr for n in self.nodes])
 
@@ -207,6 +209,7 @@ class AsyncKVClient:
             await asyncio.wait(giving_back, timeout=1.0)
         self.closed = True
         await asyncio.gather(*(n.close() for n in self.nodes))
+        self.home = None  # (a forked child, or another loop, may connect() it afresh)
 
     # -- sharding helpers
     def _groups(self, keys: Sequence[bytes]) -> list[tuple[Node, Sequence[int]]]:
@@ -430,7 +433,7 @@ class AsyncKVClient:
         results = await asyncio.gather(*(one(node, idx) for node, idx in groups), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for exc in failures:
-            if not isinstance(exc, KVStoreError):  # (a cancel, a bug)
+            if not isinstance(exc, KVStoreError) or isinstance(exc, NotHome):  # (a cancel, a bug, a misuse)
                 raise exc
         if failures and (strict or len(failures) == len(groups)):
             raise failures[0]

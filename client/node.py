@@ -79,7 +79,6 @@ class Node:
         self.lease_cut_told = False  # whether a log line said the server cut a pinned lookup's lease
         self.failed_told = -math.inf  # when a log line last said a lookup (or exists) went on without it
         self.hello_seen = False  # whether a connection has told the limits (and attached the arena)
-        self.home: tuple[int, asyncio.AbstractEventLoop] | None = None  # (fork count, loop) of its connections
         self.down_until = -math.inf  # quarantined until (the client's ``quarantine``), after ...
         self.down_error: TransportError | None = None  # ... this failure,
         self.failures = 0  # the latest of so many in a row
@@ -120,18 +119,18 @@ class Node:
             await self.call(Ping(), idempotent=idempotent)
 
     def _at_home(self) -> bool:
-        """Whether this process and event loop own the node's connections (or it has none yet)."""
-        if self.home is None:
-            return True
-        return self.home[0] == _forks[0] and self.home[1] is asyncio.get_running_loop()
+        """Whether this process and event loop own the client's connections (or it has none yet)."""
+        home = self.client.home
+        return home is None or (home[0] == _forks[0] and home[1] is asyncio.get_running_loop())
 
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
             raise TransportError(_CLOSED)
-        if self.home is None:
-            self.home = (_forks[0], asyncio.get_running_loop())
+        home = self.client.home  # (one for all its servers: a foreign loop's call must not adopt an unused one)
+        if home is None:
+            self.client.home = (_forks[0], asyncio.get_running_loop())
         elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
-            if self.home[0] != _forks[0]:
+            if home[0] != _forks[0]:
                 raise NotHome("this AsyncKVClient was made in the parent of a fork; make a new one in this process")
             raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on "
                           "(an asyncio.run per call?); use one client per event loop")
@@ -343,8 +342,7 @@ class Node:
             probe.cancel()
         opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
-        at_home, self.home = self._at_home(), None
-        if not at_home:  # another loop's or the parent's sockets: forgotten here, never touched
+        if not self._at_home():  # another loop's or the parent's sockets: forgotten here, never touched
             self.shm, self.shm_tried = None, None
             return
         for conn in conns:  # what a request cut off by this reports (not "closed by server")

@@ -723,3 +723,24 @@ async def test_a_call_from_another_event_loop_is_refused_at_once_and_not_held_ag
             await asyncio.to_thread(asyncio.run, kv.ping())  # (backoff 1.0: retried, it took 3 s)
         assert kv.nodes[0].down_error is None
         await kv.ping()
+
+
+async def test_a_call_from_another_loop_over_servers_not_yet_used_raises_and_takes_none_of_them(
+        make_server: MakeServer) -> None:
+    """Each server kept its own home: a call from another loop adopted the servers the client had
+    not used yet, answered from those alone (a lookup of 0 of 8, a warning), and the client's own
+    loop had lost them until close()."""
+    servers = [make_server("--capacity", "8MiB") for _ in range(2)]
+    keys = [key(i, "homes") for i in range(8)]
+    async with AsyncKVClient([s.addr for s in servers], namespace="homes") as setup:
+        await setup.put(keys, [b"v" * 1000] * 8)
+    kv = AsyncKVClient([s.addr for s in servers], namespace="homes")  # (no connect(): used lazily)
+    try:
+        first = [k for k in keys if kv.ring.node_of(k) == 0][:1]
+        assert await kv.lookup(first) == 1  # (server 0 only)
+        for call in (lambda: kv.lookup(keys), lambda: kv.exists(keys), kv.stats):
+            with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
+                await asyncio.to_thread(asyncio.run, call())
+        assert await kv.lookup(keys) == 8 and all(b is not None for b in await kv.get(keys))
+    finally:
+        await kv.close()
