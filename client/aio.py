@@ -34,7 +34,7 @@ from kvstore.protocol import (
 from . import replies, workers
 from .buffers import GetSink, Recycler
 from .connection import NotHome, Response
-from .node import Node
+from .node import Node, claim_home
 from .shm import GetOutcome, ShmGone
 from .sharding import Ring
 from .workers import run_parallel
@@ -181,6 +181,7 @@ class AsyncKVClient:
         is logged and left to the calls, as if it failed later (a lookup counts its keys as
         missing, a put to it fails): an engine starts while one shard is down. When it raises, the
         connections it opened are closed again."""
+        claim_home(self)  # (from another loop: NotHome, and nothing of the home loop's touched)
         self.closed = False
         try:
             opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
@@ -209,7 +210,8 @@ class AsyncKVClient:
             await asyncio.wait(giving_back, timeout=1.0)
         self.closed = True
         await asyncio.gather(*(n.close() for n in self.nodes))
-        self.home = None  # (a forked child, or another loop, may connect() it afresh)
+        if self.closed:  # (a forked child, or another loop, may connect() it afresh; not if one did meanwhile)
+            self.home = None
 
     # -- sharding helpers
     def _groups(self, keys: Sequence[bytes]) -> list[tuple[Node, Sequence[int]]]:

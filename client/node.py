@@ -53,6 +53,21 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def claim_home(client: AsyncKVClient) -> None:
+    """Make this process and event loop the home of the client's connections, to all its servers,
+    on its first call; raise :class:`NotHome` on a call from anywhere else (its sockets are another
+    loop's, closed maybe, or a parent process's; one home for all: a foreign loop's call must not
+    adopt a server not used yet)."""
+    home = client.home
+    if home is None:
+        client.home = (_forks[0], asyncio.get_running_loop())
+    elif home[0] != _forks[0]:
+        raise NotHome("this AsyncKVClient was made in the parent of a fork; make a new one in this process")
+    elif home[1] is not asyncio.get_running_loop():
+        raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on "
+                      "(an asyncio.run per call?); use one client per event loop")
+
+
 class Node:
     """One server: a small pool of pipelined connections, opened lazily."""
 
@@ -126,14 +141,7 @@ class Node:
     async def connection(self) -> ClientConnection:
         if self.client.closed:  # (a request in flight while the client closed must not reconnect)
             raise TransportError(_CLOSED)
-        home = self.client.home  # (one for all its servers: a foreign loop's call must not adopt an unused one)
-        if home is None:
-            self.client.home = (_forks[0], asyncio.get_running_loop())
-        elif not self._at_home():  # its sockets are another loop's (closed, maybe), or a parent process's
-            if home[0] != _forks[0]:
-                raise NotHome("this AsyncKVClient was made in the parent of a fork; make a new one in this process")
-            raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on "
-                          "(an asyncio.run per call?); use one client per event loop")
+        claim_home(self.client)
         for conn in self.conns:  # fast path: an idle live connection (no lists built per request)
             if not conn.pending and not conn.closed:
                 return conn

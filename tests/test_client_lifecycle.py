@@ -744,3 +744,22 @@ async def test_a_call_from_another_loop_over_servers_not_yet_used_raises_and_tak
         assert await kv.lookup(keys) == 8 and all(b is not None for b in await kv.get(keys))
     finally:
         await kv.close()
+
+
+async def test_connect_from_another_loop_and_close_overlapping_connect_keep_the_clients_home(
+        make_server: MakeServer) -> None:
+    """connect() from another loop dropped the own loop's connections unclosed (a warning per server
+    first); and close() overlapping connect() on the own loop left live connections with no home,
+    which another loop then took (its lookup went out on the first loop's socket)."""
+    servers = [make_server("--capacity", "8MiB") for _ in range(2)]
+    keys = [key(i, "home2") for i in range(8)]
+    async with AsyncKVClient([s.addr for s in servers], namespace="home2") as kv:
+        await kv.put(keys, [b"v" * 100] * 8)
+        conns = [list(n.conns) for n in kv.nodes]
+        with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
+            await asyncio.to_thread(asyncio.run, kv.connect())
+        assert [list(n.conns) for n in kv.nodes] == conns and not any(c.closed for cs in conns for c in cs)
+        await asyncio.gather(kv.close(), kv.connect())
+        with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
+            await asyncio.to_thread(asyncio.run, kv.lookup(keys))
+        assert await kv.lookup(keys) == 8
