@@ -34,7 +34,7 @@ from kvstore.protocol import (
 from . import replies, workers
 from .buffers import GetSink, Recycler
 from .connection import NotHome, Response
-from .node import Node, claim_home
+from .node import Node, claim_home, forks
 from .shm import GetOutcome, ShmGone
 from .sharding import Ring
 from .workers import run_parallel
@@ -186,7 +186,7 @@ class AsyncKVClient:
         try:
             opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
         except BaseException:  # (cancelled, say by a timeout around it: what it opened is closed again)
-            await asyncio.shield(asyncio.gather(*(n.close() for n in self.nodes)))
+            await asyncio.shield(self._close_nodes())
             raise
         failed = [(n, e) for n, e in zip(self.nodes, opened) if isinstance(e, BaseException)]
         if not failed:
@@ -196,21 +196,36 @@ class AsyncKVClient:
             if len(self.nodes) > 1:
                 for node, e in failed:
                     log.warning("%s failed at connect: %s", node.addr, e)
-            await asyncio.gather(*(n.close() for n in self.nodes))  # (the client stays usable: calls reconnect)
+            await self._close_nodes()  # (the client stays usable: calls reconnect, from any loop)
             raise mistake or next((e for _, e in failed if isinstance(e, TransportError)), failed[0][1])
         for node, e in failed:
             log.warning("connected to %d of %d servers; %s failed (%s): calls will try it again",
                         len(self.nodes) - len(failed), len(self.nodes), node.addr, e)
 
     async def close(self) -> None:
-        """Close every connection; later calls raise ``TransportError`` until :meth:`connect`."""
+        """Close every connection; later calls raise ``TransportError`` until :meth:`connect`.
+
+        Raises:
+            TransportError: called from another event loop while the one it first ran on still
+                runs (close it there: its sockets are that loop's). From a forked child, or once
+                that loop has ended, it forgets them and frees the client.
+        """
         loop = asyncio.get_running_loop()
+        home = self.home
+        if home is not None and home[0] == forks() and home[1] is not loop and home[1].is_running():
+            raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on, which "
+                          "still runs: close it there")
         giving_back = {f for f in self._background if f.get_loop() is loop}  # (another loop's: not ours to wait on)
         if giving_back:  # leases a failed lookup is giving back: let them go first (a second at most)
             await asyncio.wait(giving_back, timeout=1.0)
         self.closed = True
+        await self._close_nodes()
+
+    async def _close_nodes(self) -> None:
+        """Close every server's connections and let go of the home, unless a connect() ran meanwhile
+        (a forked child, or another loop, may then connect() the client afresh)."""
         await asyncio.gather(*(n.close() for n in self.nodes))
-        if self.closed:  # (a forked child, or another loop, may connect() it afresh; not if one did meanwhile)
+        if self.closed or not any(n.conns or n.opening for n in self.nodes):
             self.home = None
 
     # -- sharding helpers

@@ -53,6 +53,11 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def forks() -> int:
+    """How many forks this process descends from (a client's home names it)."""
+    return _forks[0]
+
+
 def claim_home(client: AsyncKVClient) -> None:
     """Make this process and event loop the home of the client's connections, to all its servers,
     on its first call; raise :class:`NotHome` on a call from anywhere else (its sockets are another
@@ -350,6 +355,7 @@ class Node:
             probe.cancel()
         opening, self.opening = self.opening, set()
         conns, self.conns = self.conns, []
+        self._attaching = asyncio.Lock()  # (a lock waited on binds to that loop: the next home's own)
         if not self._at_home():  # another loop's or the parent's sockets: forgotten here, never touched
             self.shm, self.shm_tried = None, None
             return

@@ -763,3 +763,66 @@ async def test_connect_from_another_loop_and_close_overlapping_connect_keep_the_
         with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
             await asyncio.to_thread(asyncio.run, kv.lookup(keys))
         assert await kv.lookup(keys) == 8
+
+
+def test_a_failed_connect_leaves_the_client_free_for_another_loop() -> None:
+    """connect() claimed the client for its loop and kept it when it failed: nothing was open, yet
+    the next asyncio.run (or a forked child) was refused with NotHome instead of trying again."""
+    import socket as socket_module
+
+    with socket_module.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kv = AsyncKVClient(f"127.0.0.1:{port}", retries=0, connect_timeout=2)
+    for _ in range(2):
+        with pytest.raises(TransportError, match="cannot connect"):
+            asyncio.run(kv.connect())
+    assert kv.home is None
+
+
+def test_a_client_closed_is_used_again_from_another_loop_with_its_arena_opened_concurrently(
+        make_server: MakeServer, unix_path: str) -> None:
+    """(the attach lock, made once per server, was bound to the first loop that waited on it: the
+    second asyncio.run failed with a RuntimeError, not even a KVStoreError)"""
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    kv = AsyncKVClient(f"unix:{unix_path}", pool_size=4, namespace="relock")
+    keys = [key(i, "relock") for i in range(4)]
+
+    async def run() -> list[int]:
+        try:
+            results = await asyncio.gather(kv.connect(), *(kv.lookup(keys) for _ in range(3)))
+            assert kv.nodes[0].shm is not None
+            return results[1:]
+        finally:
+            await kv.close()
+
+    assert asyncio.run(run()) == [0, 0, 0]
+    assert asyncio.run(run()) == [0, 0, 0]
+
+
+def test_close_from_another_loop_while_the_first_still_runs_is_refused(make_server: MakeServer) -> None:
+    """It forgot the running loop's connections unclosed (their sockets stayed open for good) and
+    freed the client for the caller's loop."""
+    import threading
+
+    srv = make_server("--capacity", "8MiB")
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    try:
+        kv = asyncio.run_coroutine_threadsafe(_made(srv.addr), home).result(10)
+        assert asyncio.run_coroutine_threadsafe(kv.lookup([key(1, "fc")]), home).result(10) == 0
+        with pytest.raises(TransportError, match="which still runs: close it there"):
+            asyncio.run(kv.close())
+        assert asyncio.run_coroutine_threadsafe(kv.lookup([key(1, "fc")]), home).result(10) == 0
+        (conn,) = kv.nodes[0].conns
+        asyncio.run_coroutine_threadsafe(kv.close(), home).result(10)
+        assert conn.closed and kv.home is None
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)
+        home.close()
+
+
+async def _made(addr: str) -> AsyncKVClient:
+    return AsyncKVClient(addr, namespace="fc")
