@@ -84,6 +84,8 @@ class Connection(asyncio.BufferedProtocol):
         self.timed_out = False  # closed by a timeout (counted once)
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests waiting on a backing tier
+        self.out_of_step = False  # a frame could not be parsed: the answer waits for the tasks', then close
+        self.failing: asyncio.Future[None] | None = None
         self.idle = asyncio.Event()
         self.idle.set()
         self.put_t0 = 0.0  # perf_counter() when the PUT in progress was parsed
@@ -130,10 +132,10 @@ class Connection(asyncio.BufferedProtocol):
         self.lost, self.transport = True, None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return _DROPPED if self.lingering is not None else self.reader.get_buffer()
+        return _DROPPED if self.lingering is not None or self.out_of_step else self.reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.lingering is not None:
+        if self.lingering is not None or self.out_of_step:
             return
         self.reader.buffer_updated(nbytes)
         self.service.counters.bytes_in += nbytes
@@ -181,7 +183,7 @@ class Connection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         # Paused by back-pressure: frames already buffered wait too, or one read of small GETs
         # could queue thousands of pinned replies past max_pending_out.
-        while not self.closing and not self.reading_paused:
+        while not self.closing and not self.reading_paused and not self.out_of_step:
             try:
                 event = self.reader.next_event()
             except ProtocolError as exc:
@@ -314,9 +316,20 @@ class Connection(asyncio.BufferedProtocol):
         if foreign is not None and self.transport is not None:
             self.transport.write(foreign)
             self.service.counters.bytes_out += len(foreign)
+        elif self.tasks:  # requests before it still wait on the tier: their replies go out first
+            self.out_of_step = True  # (nothing more is read from a stream that could not be parsed)
+            self.failing = asyncio.ensure_future(self._fail_after_tasks(exc))
+            return
         else:
             code, message = error_fields(exc)
             self._write(error_reply(0, code, message))
+        self._linger()
+
+    async def _fail_after_tasks(self, exc: BaseException) -> None:
+        if self.tasks:  # (done meanwhile, perhaps)
+            await asyncio.wait(set(self.tasks))  # (each ends: a tier call has --redis-timeout)
+        code, message = error_fields(exc)
+        self._write(error_reply(0, code, message))
         self._linger()
 
     def _linger(self) -> None:

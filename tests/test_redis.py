@@ -1085,3 +1085,32 @@ async def test_a_read_through_answered_after_its_connection_was_refused_leaves_n
         assert not log_count(srv, "Traceback") and not log_count(srv, "never retrieved")
     finally:
         link.stop()
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-behind"])
+async def test_a_put_answered_by_the_tier_is_answered_before_a_bad_frame_ends_the_connection(
+        redis_server: RedisProcess, make_server, mode: str) -> None:
+    """A PUT then bytes that are no frame, on one connection: the PUT (its reply waiting on Redis)
+    was stored but never answered -- only the error for the bad bytes came, then the close; a
+    memory-only server answers both."""
+    from kvstore.protocol import ErrorReply, FrameReader, Hello, NEED_DATA, Put, encode
+
+    srv = make_server("--capacity", MEM, "--redis", redis_server.url, "--redis-mode", mode)
+    k, data = chain(1, "bad-after")[0], b"p" * 1000
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        await kv.ping()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        try:
+            hello = encode(Hello(namespace=NS), 1)
+            put = encode(Put(keys=[k], sizes=[len(data)], checksums=[xxhash.xxh3_64_intdigest(data)]), 77, [data])
+            writer.write(b"".join(bytes(b) for b in (*hello, *put)) + b"GARBAGE!" * 3)
+            frames, got = FrameReader(is_server=False), []
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):  # (until the server closes)
+                frames.feed(chunk)
+                while (ev := frames.next_event()) is not NEED_DATA:
+                    got.append(ev)
+        finally:
+            writer.close()
+        assert [(f.request_id, isinstance(f.msg, ErrorReply)) for f in got] == [(1, False), (77, False), (0, True)]
+        assert "errors" not in got[1].msg.fields  # (stored)
+        assert await kv.exists([k]) == [True]
