@@ -180,13 +180,16 @@ class AsyncKVClient:
         Over several servers, one that cannot be reached (down, silent, at its connection limit)
         is logged and left to the calls, as if it failed later (a lookup counts its keys as
         missing, a put to it fails): an engine starts while one shard is down. When it raises, the
-        connections it opened are closed again."""
+        connections it opened are closed again -- unless calls had opened some before it: those
+        and these stay, for the calls (a failed connect must not cut off a healthy server's)."""
         claim_home(self)  # (from another loop: NotHome, and nothing of the home loop's touched)
+        in_use = not self.closed and any(n.conns or n.opening for n in self.nodes)
         self.closed = False
         try:
             opened = await asyncio.gather(*(n.connection() for n in self.nodes), return_exceptions=True)
         except BaseException:  # (cancelled, say by a timeout around it: what it opened is closed again)
-            await asyncio.shield(self._close_nodes())
+            if not in_use:
+                await asyncio.shield(self._close_nodes())
             raise
         failed = [(n, e) for n, e in zip(self.nodes, opened) if isinstance(e, BaseException)]
         if not failed:
@@ -196,7 +199,8 @@ class AsyncKVClient:
             if len(self.nodes) > 1:
                 for node, e in failed:
                     log.warning("%s failed at connect: %s", node.addr, e)
-            await self._close_nodes()  # (the client stays usable: calls reconnect, from any loop)
+            if not in_use:
+                await self._close_nodes()  # (the client stays usable: calls reconnect, from any loop)
             raise mistake or next((e for _, e in failed if isinstance(e, TransportError)), failed[0][1])
         for node, e in failed:
             log.warning("connected to %d of %d servers; %s failed (%s): calls will try it again",
@@ -206,15 +210,15 @@ class AsyncKVClient:
         """Close every connection; later calls raise ``TransportError`` until :meth:`connect`.
 
         Raises:
-            TransportError: called from another event loop while the one it first ran on still
-                runs (close it there: its sockets are that loop's). From a forked child, or once
-                that loop has ended, it forgets them and frees the client.
+            TransportError: called from another event loop while the one it first ran on is not
+                closed (close it there: its sockets are that loop's). From a forked child, or once
+                that loop is closed (an ``asyncio.run`` ended), it forgets them and frees the client.
         """
         loop = asyncio.get_running_loop()
         home = self.home
-        if home is not None and home[0] == forks() and home[1] is not loop and home[1].is_running():
+        if home is not None and home[0] == forks() and home[1] is not loop and not home[1].is_closed():
             raise NotHome("this AsyncKVClient's connections belong to the event loop it first ran on, which "
-                          "still runs: close it there")
+                          "is not closed: close the client there")
         giving_back = {f for f in self._background if f.get_loop() is loop}  # (another loop's: not ours to wait on)
         if giving_back:  # leases a failed lookup is giving back: let them go first (a second at most)
             await asyncio.wait(giving_back, timeout=1.0)

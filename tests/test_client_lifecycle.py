@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import time
 import urllib.request
 from typing import Any, Callable
@@ -812,7 +813,7 @@ def test_close_from_another_loop_while_the_first_still_runs_is_refused(make_serv
     try:
         kv = asyncio.run_coroutine_threadsafe(_made(srv.addr), home).result(10)
         assert asyncio.run_coroutine_threadsafe(kv.lookup([key(1, "fc")]), home).result(10) == 0
-        with pytest.raises(TransportError, match="which still runs: close it there"):
+        with pytest.raises(TransportError, match="which is not closed: close the client there"):
             asyncio.run(kv.close())
         assert asyncio.run_coroutine_threadsafe(kv.lookup([key(1, "fc")]), home).result(10) == 0
         (conn,) = kv.nodes[0].conns
@@ -826,3 +827,43 @@ def test_close_from_another_loop_while_the_first_still_runs_is_refused(make_serv
 
 async def _made(addr: str) -> AsyncKVClient:
     return AsyncKVClient(addr, namespace="fc")
+
+
+async def test_a_connect_that_fails_leaves_the_connections_calls_opened_before_it(make_server: MakeServer) -> None:
+    """connect() closed every server's connections when it failed, those its calls had opened on a
+    healthy server too: calls in flight there failed with 'the client is closed' (and were held
+    against that server), and the client's home was let go of for another loop to take."""
+    srv = make_server("--capacity", "8MiB")
+    with socket.socket() as silent:  # accepts (in the kernel), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        kv = AsyncKVClient([srv.addr, f"127.0.0.1:{silent.getsockname()[1]}"], namespace="cin", quarantine=5.0)
+        try:
+            ours = [k for k in (key(i, "cin") for i in range(64)) if kv.ring.node_of(k) == 0][:4]
+            await kv.put(ours, [b"v" * 100] * 4)
+            conns = list(kv.nodes[0].conns)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(kv.connect(), 0.3)
+            assert kv.nodes[0].conns == conns and not any(c.closed for c in conns)
+            with pytest.raises(TransportError, match="belong to the event loop it first ran on"):
+                await asyncio.to_thread(asyncio.run, kv.lookup(ours))
+            assert await kv.lookup(ours) == 4 and kv.nodes[0].down_error is None
+        finally:
+            await kv.close()
+
+
+def test_close_from_another_loop_while_the_first_is_stopped_but_not_closed_is_refused(make_server: MakeServer) -> None:
+    """(a loop.run_until_complete program: the first loop still holds the sockets, and closing the
+    client elsewhere forgot them unclosed)"""
+    srv = make_server("--capacity", "8MiB")
+    home = asyncio.new_event_loop()
+    try:
+        kv = home.run_until_complete(_made(srv.addr))
+        assert home.run_until_complete(kv.lookup([key(1, "stopped")])) == 0
+        with pytest.raises(TransportError, match="which is not closed: close the client there"):
+            asyncio.run(kv.close())
+        (conn,) = kv.nodes[0].conns
+        home.run_until_complete(kv.close())
+        assert conn.closed and kv.home is None
+    finally:
+        home.close()
