@@ -84,8 +84,8 @@ class Connection(asyncio.BufferedProtocol):
         self.timed_out = False  # closed by a timeout (counted once)
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests waiting on a backing tier
-        self.out_of_step = False  # a frame could not be parsed: the answer waits for the tasks', then close
-        self.failing: asyncio.Future[None] | None = None
+        self.out_of_step = False  # a frame could not be parsed: its error waits for the tasks' replies, then closes
+        self.failing: asyncio.Future[None] | None = None  # (that wait, kept from the garbage collector)
         self.idle = asyncio.Event()
         self.idle.set()
         self.put_t0 = 0.0  # perf_counter() when the PUT in progress was parsed
