@@ -14,7 +14,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 from kvstore import __version__
-from kvstore.config import ServerConfig, note_env, parse_bool, parse_number, parse_size
+from kvstore.config import ServerConfig, format_size, note_env, parse_bool, parse_number, parse_size
+from kvstore.messages import DEFAULT_LIMITS
 from kvstore.eviction import POLICIES
 
 from .app import STOP_SIGNALS, Server, StartupError
@@ -52,6 +53,16 @@ def _positive_size(text: str) -> int:
     size = _size(text)
     if size <= 0:
         raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    return size
+
+
+def _frame_size(text: str) -> int:
+    """At most the clients' own payload limit (``Limits.max_payload``, 2 GiB): a server allowing
+    more sent GET replies a client's reader refuses, cutting off every request on the connection."""
+    size = _positive_size(text)
+    if size > DEFAULT_LIMITS.max_payload:
+        raise argparse.ArgumentTypeError(f"expected a size of at most {format_size(DEFAULT_LIMITS.max_payload)} "
+                                         f"(the most a client reads in one reply), got {text!r}")
     return size
 
 
@@ -176,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-connections", _positive_count, d.max_connections, "refuse connections over this many")
     add("--max-pending-out", _size, d.max_pending_out, "stop reading a connection whose unsent replies exceed this")
     add("--max-batch", _positive_count, d.max_batch, "most keys in one request")
-    add("--max-frame-size", _positive_size, d.max_frame_size, "most payload bytes in one frame")
+    add("--max-frame-size", _frame_size, d.max_frame_size, "most payload bytes in one frame (at most 2GiB)")
     add("--max-block", _positive_size, d.max_block, "most bytes in one block")
     # same-host transport (docs/shm.md)
     add("--unix", str, d.unix, "also listen on this Unix socket path (mode 0660, removed on exit); "
