@@ -230,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", default=os.environ.get("KVSTORE_ADDR") or "127.0.0.1:7600",
                         help="kvstore-server host:port [KVSTORE_ADDR, as kvstore-cli; default 127.0.0.1:7600]")
     args = parser.parse_args(argv)
+    room = Config.num_gpu_blocks * Config.gpu_block_size  # tokens the paged cache holds
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens: expected at least 1, got {args.max_tokens}")
+    for text in args.prompt:
+        if not text or len(text.encode()) + args.max_tokens > room:
+            parser.error(f"--prompt {text!r}: expected 1 byte or more, and with --max-tokens at most {room} tokens "
+                         f"(the tiny model's paged KV cache), got {len(text.encode())} + {args.max_tokens}")
     failed = 0
     try:
         results = run(args.mode, args.prompt, args.max_tokens, args.server)
