@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from kvstore.server.process import ServerProcess
@@ -91,3 +92,17 @@ def test_model_notices_wrong_kv() -> None:
     cache[0][0, 0, 0] += 0.5  # one K vector of position 0
     bad = model.forward(prompt[-1:], len(prompt) - 1, cache, table)[-1]
     assert not torch.allclose(good, bad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--max-tokens", "0"], "--max-tokens: expected at least 1, got 0"),
+    (["--prompt", ""], "expected 1 byte or more"),
+    (["--prompt", "x" * 30, "--max-tokens", "250"], "at most 256 tokens (the tiny model's paged KV cache), got 30 + 250"),
+])
+def test_the_examples_bad_arguments_are_usage_errors(args: list[str], expected: str) -> None:
+    """(they ended in an IndexError or a RuntimeError from torch, deep in the model)"""
+    argv = [sys.executable, str(EXAMPLE), "local", *args]
+    if "--prompt" not in args:
+        argv += ["--prompt", "hello"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr
