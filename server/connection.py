@@ -485,7 +485,7 @@ class RejectedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
         self.session.connected = True
-        message = f"server is at its limit of {self.limit} connections; try again later"
+        message = f"server is at its limit of {self.limit} connections (--max-connections); try again later"
         reply = error_reply(0, Unavailable.code, message)
         transport.writelines(reply)
         self.counters.bytes_out += sum(map(len, reply))

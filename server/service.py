@@ -590,10 +590,10 @@ class Service:
         """
         total = res.payload_len
         if total is not None and total > self.max_reply:
+            blocks = len(res.refs)
             self.store.release_many(res.refs)
             res.refs = []
-            raise TooLarge(f"the blocks asked for add up to {total} bytes, over the reply limit of "
-                           f"{self.max_reply}: ask for fewer at a time")
+            raise TooLarge(over_reply_limit(total, blocks, self.max_reply))
 
     def read_token(self) -> int | None:
         """Taken before a read-through: None while a tier delete runs (then nothing read may be promoted)."""
@@ -730,6 +730,15 @@ class Service:
                           "seconds": round(self.poll.seconds, 6) if self.poll is not None else 0.0,  # idle polling
                           "turns": self.poll.turns if self.poll is not None else 0},
         }
+
+
+def over_reply_limit(total: int, blocks: int, limit: int) -> str:
+    """Why a read is refused whole: what to do differs for one block and for several."""
+    if blocks == 1:
+        return (f"a block of {total} bytes is over the reply limit of {limit} (--max-frame-size): it cannot "
+                f"be read from this server in one piece")
+    return (f"the {blocks} blocks asked for add up to {total} bytes, over the reply limit of {limit} "
+            f"(--max-frame-size): ask for fewer at a time")
 
 
 def error_fields(exc: BaseException) -> tuple[int, str]:

@@ -51,7 +51,7 @@ from kvstore.protocol import Put, ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelea
 from kvstore.store import BlockRef
 
 from .auth import is_loopback
-from .service import Fields, GetResult, PutSink
+from .service import Fields, GetResult, PutSink, over_reply_limit
 
 if TYPE_CHECKING:
     import asyncio
@@ -280,8 +280,7 @@ class ShmService:
                     inline[i] = (data, checksum)  # the client still gets it (and checks it) over the socket
             inline_bytes = sum(len(data) for data, _ in inline.values())
             if inline_bytes > self.service.max_reply:
-                raise TooLarge(f"the blocks to send add up to {inline_bytes} bytes, over the reply limit of "
-                               f"{self.service.max_reply}: ask for fewer at a time")
+                raise TooLarge(over_reply_limit(inline_bytes, len(inline), self.service.max_reply))
         except BaseException:  # (TooLarge, or cancelled: the pins go with it)
             held = self._settle(budget, refs)
             self._release_refs(held)

@@ -21,7 +21,7 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import CapacityError, InvalidRequest, NotFound, RequestTimeout, TransportError, Unauthorized
+from kvstore.errors import CapacityError, InvalidRequest, NotFound, RequestTimeout, TooLarge, TransportError, Unauthorized
 from kvstore.config import ServerConfig
 from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
@@ -964,3 +964,17 @@ def test_shm_handles_wrap_around_past_the_ones_still_open() -> None:
     assert [st.add("b"), st.add("c")] == [0xFFFFFFFF, first + 1]  # type: ignore[arg-type]
     assert st.grants == {first: "a", 0xFFFFFFFF: "b", first + 1: "c"}
 
+
+
+async def test_a_block_over_the_reply_limit_is_refused_naming_the_flag_not_asking_for_fewer(
+        make_server: MakeServer, unix_path: str) -> None:
+    """Stored through the arena, a block over --max-frame-size cannot come back over the socket:
+    the refusal said "ask for fewer at a time", which cannot help with one block."""
+    srv = make_server("--capacity", "16MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+    k = key(1, "over-reply")
+    async with AsyncKVClient(unix(unix_path), namespace="o") as kv:
+        assert (await kv.put([k], [data(k, 3 << 20)])).stored == 1  # (through the arena)
+    async with AsyncKVClient(srv.addr, namespace="o") as tcp:
+        with pytest.raises(TooLarge, match=r"a block of 3145728 bytes is over the reply limit of 1048576 "
+                                           r"\(--max-frame-size\): it cannot be read from this server in one piece"):
+            await tcp.get([k])
