@@ -47,7 +47,7 @@ from kvstore.protocol import (
 )
 
 from . import replies
-from .connection import ClientConnection, NotHome, Response
+from .connection import ClientConnection, NotHome, NotSent, Response
 from .workers import run_parallel
 
 if TYPE_CHECKING:
@@ -383,14 +383,15 @@ class ShmChannel:
 
     async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]], retry: bool = True) -> T:
         """Run ``op`` on one pooled connection (handles are per connection); retry on transport
-        errors unless told not to (an op that must not run twice).
+        errors unless told not to (an op that must not run twice) -- but always when its first
+        request never left (:class:`NotSent`; a later request of an op raises none, see ``_release``).
 
         A new connection may find a restarted server: the node then holds a
         channel on the new arena (used from the next attempt on), or none
         (``ShmGone``: the caller goes over the socket).
         """
         c = self.client
-        retries = c.retries if retry else 0
+        retries = c.retries
         self.node.check_up()
         for attempt in range(1 + retries):
             try:
@@ -417,7 +418,7 @@ class ShmChannel:
                 # (server/shm.py, end_session), so no slot of the failed attempt stays reserved; a
                 # commit that ran before its answer was lost has stored the blocks, which the retry
                 # then finds "existed" -- as a socket PUT retried after a lost reply does.
-                if attempt == retries or c.closed:
+                if attempt == retries or c.closed or not (retry or isinstance(exc, NotSent)):
                     if c.closed:
                         raise
                     raise self.node.failed(exc)
@@ -503,7 +504,10 @@ class ShmChannel:
         return buffers[i]
 
     async def _release(self, conn: ClientConnection, handle: int) -> bool:
-        resp = await self._request(conn, ShmRelease(handle=handle))
+        try:
+            resp = await self._request(conn, ShmRelease(handle=handle))
+        except NotSent as exc:  # (the op's first request did go out: running it again is not safe)
+            raise TransportError(str(exc)) from None
         return resp.fields.get("held") is True
 
     # -- put

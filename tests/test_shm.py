@@ -26,6 +26,7 @@ from kvstore.config import ServerConfig
 from kvstore.protocol import STORED, Frame, FrameReader, Hello, Message, ShmAttach, ShmCommit, ShmGet, ShmPut, encode
 from kvstore.server.app import Server
 from kvstore.server.service import Session
+from kvstore.client.shm import ShmChannel
 
 from redis_fixtures import RedisProcess, eventually, redis_server  # noqa: F401  (redis_server is a fixture)
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
@@ -300,6 +301,35 @@ async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(
         await nothing_held(probe, "every cancelled call's handle to be given back")
         assert cancelled >= 30 and kv.nodes[0].conns == [conn] and not conn.closed
         assert [bytes(b) for b in await kv.get(keys)] == blocks
+
+
+async def test_an_unpinning_shm_get_queued_behind_a_cancelled_put_is_sent_again(
+        make_server: MakeServer, unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put cancelled while its payload goes out ends the connection; an unpinning SHM_GET queued
+    behind it never reached the server. The socket path sends such a request again (NotSent); the
+    shared-memory path did not retry it (an unpin must not run twice) and failed the read."""
+    make_server("--capacity", "256MiB", "--unix", unix_path)
+    monkeypatch.setattr(ShmChannel, "inline_put_bytes", 1 << 30)  # the big put goes over the socket
+    keys = [key(i, "behind") for i in range(4)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    aborted = 0
+    async with AsyncKVClient(unix(unix_path), namespace="q", pool_size=1) as kv:
+        await kv.put(keys, blocks)
+        assert kv.nodes[0].shm is not None
+        for trial in range(5):
+            assert await kv.lookup(keys, pin=True) == 4
+            big = [key(i, f"big{trial}") for i in range(4)]
+            put = asyncio.ensure_future(kv.put(big, [bytes(16 << 20)] * 4))  # 64 MiB going out first
+            await asyncio.sleep(0)
+            got = asyncio.ensure_future(kv.get(keys, unpin=True))  # behind it, on the same connection
+            await asyncio.sleep(0.002)
+            (conn,) = kv.nodes[0].conns
+            put.cancel()
+            await asyncio.gather(put, return_exceptions=True)
+            aborted += conn.closed  # (cancelled mid-payload: the connection ended; else the put had gone out)
+            assert [bytes(b) for b in await got] == blocks  # (sent again on a new connection)
+            assert (await kv.stats())["store"]["leases"] == 0
+    assert aborted
 
 
 async def test_a_drain_ends_when_the_only_pins_it_waits_for_expire(make_server: MakeServer, unix_path: str) -> None:
