@@ -48,11 +48,23 @@ class Message:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], payload_len: int, limits: Limits) -> Message:
+        """The message a meta map holds. Fields it does not know are left out (a newer peer's
+        additions), but a field name that is not a string is refused, as is a missing required
+        field: either would otherwise read as an empty batch and get a plausible wrong answer."""
         names = _field_names(cls)
+        values = {}
+        for k, v in meta.items():
+            if k in names:
+                values[k] = v
+            elif type(k) is not str:  # (the codec lets bytes through: a peer packing names as bin)
+                raise InvalidRequest(f"{OP_NAMES[cls].upper()}: meta field names must be strings, "
+                                     f"got a {type(k).__name__} name")
         try:
-            return cls(**{k: v for k, v in meta.items() if k in names})
-        except TypeError as exc:  # a required field is missing
-            raise InvalidRequest(f"{cls.__name__}: {exc}") from None
+            return cls(**values)
+        except TypeError:  # a required field is missing
+            missing = [f.name for f in dataclasses.fields(cls) if f.name not in values and
+                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+            raise InvalidRequest(f"{OP_NAMES[cls].upper()} needs the field(s) {', '.join(missing)}") from None
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -64,6 +76,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
     if names is None:
         names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return names
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if type(value) is not bool:  # ("false", 0 or None taken for their truth value pinned, or did not)
+        raise InvalidRequest(f"{name} must be true or false, got a {type(value).__name__}")
 
 
 def _check_keys(keys: Any, limits: Limits) -> None:
@@ -139,8 +156,8 @@ class Put(Message):
     """
 
     OP: ClassVar[int] = 3
-    keys: list[bytes] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    keys: list[bytes]
+    sizes: list[int]
     checksums: list[int] = field(default_factory=list)
     parent: bytes | None = None
 
@@ -159,12 +176,13 @@ class Lookup(_KeysRequest):
     """The longest present prefix of ``keys``; ``pin`` leases those blocks for ``lease_ms``."""
 
     OP: ClassVar[int] = 4
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
     pin: bool = False
     lease_ms: int | None = None
 
     def validate(self, payload_len: int, limits: Limits) -> None:
         super().validate(payload_len, limits)
+        _check_flag("pin", self.pin)
         self.check_lease(self.lease_ms)
 
     @staticmethod
@@ -180,26 +198,30 @@ class Get(_KeysRequest):
     """Blocks in key order; ``unpin`` also drops one lease per key once read."""
 
     OP: ClassVar[int] = 5
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
     unpin: bool = False
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        super().validate(payload_len, limits)
+        _check_flag("unpin", self.unpin)
 
 
 @dataclass(frozen=True)
 class Exists(_KeysRequest):
     OP: ClassVar[int] = 6
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
 
 
 @dataclass(frozen=True)
 class Delete(_KeysRequest):
     OP: ClassVar[int] = 7
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
 
 
 @dataclass(frozen=True)
 class Unpin(_KeysRequest):
     OP: ClassVar[int] = 8
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -248,8 +270,12 @@ class ShmGet(_KeysRequest):
     shared arena (``locs``) instead of sent; the client copies, then SHM_RELEASEs."""
 
     OP: ClassVar[int] = 12
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes]
     unpin: bool = False
+
+    def validate(self, payload_len: int, limits: Limits) -> None:
+        super().validate(payload_len, limits)
+        _check_flag("unpin", self.unpin)
 
 
 @dataclass(frozen=True)
@@ -258,8 +284,8 @@ class ShmPut(Message):
     they become visible at SHM_COMMIT, and vanish with SHM_RELEASE or the connection."""
 
     OP: ClassVar[int] = 13
-    keys: list[bytes] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    keys: list[bytes]
+    sizes: list[int]
     parent: bytes | None = None  # as for PUT
 
     def validate(self, payload_len: int, limits: Limits) -> None:

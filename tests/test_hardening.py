@@ -496,6 +496,32 @@ async def test_a_meta_nested_too_deep_to_print_is_refused_and_the_connection_goe
     assert not [line for line in srv.log if '"error"' in line or "Traceback" in line]
 
 
+async def test_a_meta_with_misnamed_or_mistyped_fields_is_refused_not_answered_as_empty(make_server) -> None:
+    """(protocol review) Field names packed as bytes, a misspelled or missing `keys`, or `pin` given
+    as a string were read as defaults: a PUT that stored nothing answered as a success, a LOOKUP of
+    a stored key answered 0, a LOOKUP with pin="false" pinned. Each is an InvalidRequest now."""
+    from kvstore.protocol import ErrorReply, Lookup
+
+    srv = make_server("--capacity", "16MiB")
+    k = key(0, "named")
+    async with AsyncKVClient(srv.addr) as kv:
+        await kv.put([k], [b"x" * 100])
+    metas = [(Put.OP, {b"keys": [k], b"sizes": [0], b"checksums": []}, "field names must be strings"),
+             (Lookup.OP, {b"keys": [k]}, "field names must be strings"),
+             (Lookup.OP, {"key": [k]}, "LOOKUP needs the field(s) keys"),
+             (Put.OP, {"keys": [k]}, "PUT needs the field(s) sizes"),
+             (Lookup.OP, {"keys": [k], "pin": "false"}, "pin must be true or false"),
+             (Get.OP, {"keys": [k], "unpin": 1}, "unpin must be true or false")]
+    data = b"".join(HEADER.pack(MAGIC, VERSION, op, i, len(m), 0) + m
+                    for i, (op, meta, _) in enumerate(metas, 1) for m in [msgpack.packb(meta)])
+    got = await exchange(srv.port, data + b"".join(bytes(b) for b in encode(Ping(), 99)), count=len(metas) + 1)
+    for frame, (_, _, message) in zip(got, metas):
+        assert isinstance(frame.msg, ErrorReply) and frame.msg.code == 2 and message in frame.msg.message, frame.msg
+    assert got[-1].request_id == 99 and not isinstance(got[-1].msg, ErrorReply)  # the connection goes on
+    async with AsyncKVClient(srv.addr) as kv:
+        assert (await kv.stats())["store"]["leases"] == 0  # (pin="false" had pinned)
+
+
 def test_a_client_still_sending_when_its_frame_is_refused_reads_the_answer(make_server) -> None:
     """The server answered a frame over its limit and closed with the client's bytes unread, so the
     kernel reset the connection: a client still sending got the reset, and the answer could be lost

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvstore.errors import InvalidRequest, ProtocolError, TooLarge
 from kvstore.protocol import (
     HEADER, MAGIC, NEED_DATA, VERSION, Delete, ErrorReply, Exists, Flush, Frame, FrameReader, Get, Hello, Limits,
-    Lookup, PayloadDone, Ping, Put, Reply, ShmPut, Stats, Unpin, encode, error_reply, foreign_reply, reply,
+    Lookup, PayloadDone, Ping, Put, Reply, ShmGet, ShmPut, Stats, Unpin, encode, error_reply, foreign_reply, reply,
 )
 
 
@@ -181,6 +181,9 @@ def test_replies_and_errors_parse_on_the_client_side() -> None:
         (Flush(namespace="n" * 257), InvalidRequest),  # (was unbounded: a refused flush logged 4 MiB names)
         (Put(keys=[b"k"], sizes=[-1]), InvalidRequest),
         (Put(keys=[b"k", b"j"], sizes=[1]), InvalidRequest),
+        (Lookup(keys=[b"k"], pin="false"), InvalidRequest),  # type: ignore[arg-type]  (it pinned)
+        (Get(keys=[b"k"], unpin=1), InvalidRequest),  # type: ignore[arg-type]
+        (ShmGet(keys=[b"k"], unpin=None), InvalidRequest),  # type: ignore[arg-type]
     ],
 )
 def test_invalid_requests_are_reported_per_frame(msg, exc) -> None:
