@@ -338,11 +338,12 @@ class AsyncKVClient:
             nbytes = sum(sizes)
             too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
-            if node.shm is not None and (nbytes >= node.shm.inline_put_bytes or too_large):
+            if node.shm is not None and nbytes >= node.shm.inline_put_bytes and not too_large:
                 # (restarted without shm, or its puts waiting for a commit at their limit: the socket carries it)
                 with contextlib.suppress(ShmGone, CapacityError):
                     return await node.shm.put(part_keys, blocks, before)
-            if too_large:  # the server would drop the connection on its frame: say so here, for this key only
+            if too_large:  # (the server would drop the connection on its frame, and refuses it through the
+                # arena too: no reader over a socket could get it back) -- said here, for this key only
                 return [(TooLarge.code, f"a block of {nbytes} bytes is over the {node.max_payload} bytes "
                                         f"one request to {node.addr} may carry (its --max-frame-size)")]
             msg = Put(keys=part_keys, sizes=sizes, checksums=checksums(blocks), parent=before)

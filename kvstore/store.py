@@ -739,7 +739,7 @@ class BlockStore:
             raise InvalidRequest(f"a block size must be an int >= 0, got {size!r}")
         if size > self._max_block:
             raise TooLarge(f"a block of {size} bytes is over the {self._max_block} bytes a block may hold here "
-                           f"(--max-block, and at most the capacity)")
+                           f"(--max-block, and at most --max-frame-size and the capacity)")
 
     def _deadline(self, lease_s: float | None) -> float:
         if lease_s is None:

@@ -82,7 +82,7 @@ def _make_store(config: ServerConfig) -> BlockStore:
     def make(shared: bool) -> BlockStore:
         return BlockStore(config.capacity, eviction=config.eviction, page_size=config.page_size,
                           lease_s=config.lease_seconds, prefault=config.prefault, shared_arena=shared,
-                          max_block_size=config.max_block)
+                          max_block_size=min(config.max_block, config.max_frame_size))  # (GET must fit it)
 
     if not (config.unix and config.shm):
         return make(False)

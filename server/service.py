@@ -590,7 +590,7 @@ class Service:
         """
         total = res.payload_len
         if total is not None and total > self.max_reply:
-            blocks = len(res.refs)
+            blocks = sum(b is not None for b in res.blocks)  # (read through from a tier: no refs)
             self.store.release_many(res.refs)
             res.refs = []
             raise TooLarge(over_reply_limit(total, blocks, self.max_reply))

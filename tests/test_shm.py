@@ -996,14 +996,29 @@ def test_shm_handles_wrap_around_past_the_ones_still_open() -> None:
 
 
 
+def test_an_shm_put_of_a_block_over_the_frame_limit_is_refused(make_server: MakeServer, unix_path: str) -> None:
+    """SHM_PUT carries no payload, so the frame limit never saw its blocks: one over --max-frame-size
+    was stored, found by LOOKUP, and refused by every GET over a socket (protocol review)."""
+    make_server("--capacity", "8MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+    k = key(0, "over")
+    frames, _ = raw_exchange(unix_path, Hello(namespace="p"), ShmPut(keys=[k], sizes=[2 << 20]),
+                             ShmPut(keys=[key(1, "fits")], sizes=[1 << 20]))
+    refused, fits = reply_fields(frames[1]), reply_fields(frames[2])
+    assert refused["handle"] == 0 and refused["locs"] == [None] and refused["status"] == [TooLarge.code]
+    assert "--max-frame-size" in str(refused.get("errors")), refused
+    assert fits["handle"] and fits["locs"][0] is not None  # (a block at the limit is reserved)
+
+
 async def test_a_block_over_the_reply_limit_is_refused_naming_the_flag_not_asking_for_fewer(
-        make_server: MakeServer, unix_path: str) -> None:
-    """Stored through the arena, a block over --max-frame-size cannot come back over the socket:
-    the refusal said "ask for fewer at a time", which cannot help with one block."""
-    srv = make_server("--capacity", "16MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+        make_server: MakeServer, unix_path: str, redis_server: RedisProcess) -> None:
+    """Read through from a Redis that a server with a larger --max-frame-size filled, a block over
+    this server's limit cannot come back over the socket: the refusal said "ask for fewer at a
+    time", which cannot help with one block."""
+    big = make_server("--capacity", "16MiB", "--redis", redis_server.url)
+    srv = make_server("--capacity", "16MiB", "--max-frame-size", "1MiB", "--unix", unix_path, "--redis", redis_server.url)
     k = key(1, "over-reply")
-    async with AsyncKVClient(unix(unix_path), namespace="o") as kv:
-        assert (await kv.put([k], [data(k, 3 << 20)])).stored == 1  # (through the arena)
+    async with AsyncKVClient(big.addr, namespace="o") as kv:
+        assert (await kv.put([k], [data(k, 3 << 20)])).stored == 1
     async with AsyncKVClient(srv.addr, namespace="o") as tcp:
         with pytest.raises(TooLarge, match=r"a block of 3145728 bytes is over the reply limit of 1048576 "
                                            r"\(--max-frame-size\): it cannot be read from this server in one piece"):
