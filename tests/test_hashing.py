@@ -71,6 +71,19 @@ def test_known_answer() -> None:
     assert BlockHasher(4, algo="xxh3_128").keys([1, 2, 3, 4])[0].hex() == KNOWN_XXH3_K0
 
 
+def test_canonical_bytes_is_the_documented_encoding() -> None:
+    """docs/engine.md spells the encoding out byte by byte for engines in other languages."""
+    from kvstore.engine.hashing import canonical_bytes
+
+    assert canonical_bytes(None) + canonical_bytes(True) + canonical_bytes(False) == b"NTF"
+    assert [canonical_bytes(n) for n in (0, 255, -1)] == [b"I\x01\x00\x00\x00\x00", b"I\x02\x00\x00\x00\x00\xff",
+                                                           b"I\x01\x00\x00\x00\xff"]
+    assert canonical_bytes("é") == b"S\x02\x00\x00\x00\xc3\xa9" and canonical_bytes(b"") == b"B\x00\x00\x00\x00"
+    assert canonical_bytes(("a", [1])) == b"L\x02\x00\x00\x00" + canonical_bytes("a") + b"L\x01\x00\x00\x00" + canonical_bytes(1)
+    assert canonical_bytes({"b": 1, "a": 2}) == (b"D\x02\x00\x00\x00" + canonical_bytes("a") + canonical_bytes(2)
+                                                 + canonical_bytes("b") + canonical_bytes(1))
+
+
 KNOWN_SHA256_K0 = "22a497408b44d5dcaddde002f38d3b3eae63886dc492b8be2e9e562d3ecb0fb4"
 KNOWN_XXH3_K0 = "970404cb0954e22e5d156b82bfae6c0b"
 

@@ -154,6 +154,19 @@ def test_bad_ids_and_layouts_are_refused() -> None:
         t.scatter(payloads, [], skip=2)  # (said "need 0 GPU blocks, got 0")
 
 
+def test_a_layer_whose_elements_overlap_is_refused_before_anything_is_written() -> None:
+    """(engine review) An expand()ed layer was taken; a load then wrote the layers before it and
+    failed on it with a bare RuntimeError, the cache half-written."""
+    caches = make_caches(torch.float32, 1)
+    payloads = PagedKVTransfer(caches, 2).gather([0, 1])
+    shared = caches[1][:, :1].expand(caches[1].shape)  # every block one block's memory
+    for layer in (shared, caches[1].flatten().as_strided(caches[1].shape, (1,) * caches[1].dim())):
+        with pytest.raises(ValueError, match="layer 1: its elements overlap"):
+            PagedKVTransfer([caches[0].clone(), layer], 2)
+    assert PagedKVTransfer([caches[0], caches[1].transpose(2, 3)], 2).gather([0, 1])  # (strided, not overlapping)
+    PagedKVTransfer(caches, 2).scatter(payloads, [2, 3])  # (the usual layers still load)
+
+
 @pytest.mark.parametrize("block_dim", sorted(LAYOUTS))
 @pytest.mark.parametrize("skip", [0, 1])
 @pytest.mark.parametrize("stage", ["whole", "2 payloads"])

@@ -274,7 +274,7 @@ def namespace_for(
     TP rank and size, block size, GPU block size, hash algorithm and any ``extra`` (model
     revision, quantization, ...), so two configurations whose payloads differ never share a
     namespace -- as long as every one of them is passed: an engine that loads a payload of
-    another layout fails the load and deletes the block (:class:`~kvstore.engine.TransferExecutor`),
+    another layout fails the load and deletes the block (:class:`~kvstore.engine.transfer.TransferExecutor`),
     and two engines sharing a namespace that way delete each other's blocks.
 
     Args:
@@ -285,7 +285,7 @@ def namespace_for(
         block_size: offloaded block size in tokens.
         gpu_block_size: the engine's GPU (paged-cache) block size in tokens: a payload holds
             ``block_size // gpu_block_size`` GPU blocks, laid out by that factor
-            (:class:`~kvstore.engine.PagedKVTransfer`). An ``extra`` field of that name, as it was
+            (:class:`~kvstore.engine.transfer.PagedKVTransfer`). An ``extra`` field of that name, as it was
             passed before it had a parameter of its own; None leaves it out. Give it wherever engines
             with different GPU block sizes share a store.
         tp_size: tensor-parallel world size.

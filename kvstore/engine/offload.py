@@ -158,7 +158,9 @@ class OffloadScheduler:
         """Start tracking a request; ``extra`` (LoRA id, multimodal hashes) salts its keys.
 
         Raises:
-            ValueError: the id is already tracked.
+            ValueError: the id is already tracked -- also after ``finish_request`` while a job of that
+                request is still in flight: its id is free once the job's ``on_*_done`` is reported
+                (an engine that retries an aborted request under the same id waits for that).
             TypeError: ``kv_transfer_params`` is not a mapping.
         """
         if req_id in self._requests:

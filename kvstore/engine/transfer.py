@@ -111,6 +111,9 @@ class PagedKVTransfer:
                 raise ValueError(f"layer {i} {tuple(cache.shape)} on {cache.device} does not match layer 0")
             if cache.stride(-1) != 1:
                 raise ValueError(f"layer {i}: the last axis must be contiguous")
+            if _self_overlapping(cache):  # (a load would fail part-way, the layers before it written)
+                raise ValueError(f"layer {i}: its elements overlap (an expand()ed or as_strided view); "
+                                 "a KV cache needs memory of its own for every element")
             raw = cache.view(torch.uint8)
             shape = list(raw.shape)
             shape[dim] = block_size_factor
@@ -335,6 +338,17 @@ class _SideStream:
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
         self.stream.synchronize()
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` reach one element: its axes, by stride, each step past all the
+    elements of the axes before it."""
+    reach = 0  # the furthest element the axes so far reach, from the first
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def _numel(shape: Iterable[int]) -> int:
