@@ -389,6 +389,7 @@ class AsyncKVClient:
         """
         keys = _checked_keys(keys)
         Lookup.check_lease(lease_ms)
+        pin = bool(pin)  # (the server takes only true or false)
         if not keys:
             return 0
 
@@ -533,6 +534,7 @@ class AsyncKVClient:
     async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
+        unpin = bool(unpin)  # (the server takes only true or false: 1 or a numpy bool means what it says)
         unready: dict[Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
         if not all(node.limits_known for node in self.nodes):  # (a first call: the parts follow the limits)
             nodes = [node for node, _ in self._groups(keys)]
