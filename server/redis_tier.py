@@ -338,8 +338,10 @@ class RedisTier(Tier):
         while len(self.queue) and time.monotonic() < deadline and not self._giving_up.is_set():
             if self._flusher is None or self._flusher.done():
                 break
-            await self._unless_giving_up(self.check_health())  # (a probe of a Redis that hangs: --redis-timeout)
-            await self._unless_giving_up(asyncio.sleep(0.05))
+            # (a probe of a Redis that hangs takes --redis-timeout: cut at the deadline, which the
+            # deploy files' stop timeouts are sized from)
+            await self._unless_giving_up(self.check_health(), deadline)
+            await self._unless_giving_up(asyncio.sleep(0.05), deadline)
         unwritten = len(self.queue)
         if unwritten:
             why = "did not take them" if self._up.is_set() and self._refusing else (
@@ -358,10 +360,12 @@ class RedisTier(Tier):
         """Stop a flush in :meth:`close` now (the operator asked twice): what is queued stays unwritten."""
         self._giving_up.set()
 
-    async def _unless_giving_up(self, step: Awaitable[Any]) -> None:
+    async def _unless_giving_up(self, step: Awaitable[Any], deadline: float) -> None:
+        """Await ``step`` until it ends, the stop is asked again, or ``deadline`` (monotonic) passes."""
         task = asyncio.ensure_future(step)
         stop = asyncio.ensure_future(self._giving_up.wait())
-        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, stop], timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         if not task.done():
             task.cancel()

@@ -669,6 +669,27 @@ async def test_a_stop_that_could_not_flush_the_write_behind_queue_exits_1(make_r
     assert any("8 acknowledged write-behind block(s)" in line and "were not written" in line for line in srv.log)
 
 
+async def test_the_flush_on_a_hanging_redis_ends_at_the_drain_deadline(make_redis, make_server) -> None:
+    """(restart review) The flush checked its deadline only between steps, and a health probe of a
+    Redis that hangs took --redis-timeout each: with --drain-seconds 5 and --redis-timeout 10 the
+    stop took 20 s, past the stop timeouts the deploy files size from --drain-seconds (a SIGKILL
+    there loses the queue without its log line)."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind",
+                      "--drain-seconds", "5", "--redis-timeout", "10")
+    keys = chain(8, "hanging")
+    assert redis.proc is not None and srv.proc is not None
+    async with AsyncKVClient(srv.addr, namespace=NS) as kv:
+        redis.proc.send_signal(signal.SIGSTOP)
+        assert (await kv.put(keys, blocks(keys, 10_000))).stored == 8
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(12) == 1  # (the bound is 5 s; it took 20 before: TimeoutExpired)
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    assert any("8 acknowledged write-behind block(s)" in line and "were not written" in line for line in srv.log)
+
+
 # ---------------------------------------------------------------- faults
 
 
