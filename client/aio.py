@@ -389,7 +389,7 @@ class AsyncKVClient:
         """
         keys = _checked_keys(keys)
         Lookup.check_lease(lease_ms)
-        pin = bool(pin)  # (the server takes only true or false)
+        pin = _flag("pin", pin)
         if not keys:
             return 0
 
@@ -534,7 +534,7 @@ class AsyncKVClient:
     async def _get(self, keys: Sequence[bytes], buffers: list[memoryview] | None,
                    unpin: bool) -> list[memoryview | bytearray | None]:
         keys = _checked_keys(keys)
-        unpin = bool(unpin)  # (the server takes only true or false: 1 or a numpy bool means what it says)
+        unpin = _flag("unpin", unpin)
         unready: dict[Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
         if not all(node.limits_known for node in self.nodes):  # (a first call: the parts follow the limits)
             nodes = [node for node, _ in self._groups(keys)]
@@ -681,6 +681,17 @@ class AsyncKVClient:
 #: Which of a batch's errors names the exception raised: the caller's own mistake first, then a
 #: corrupt block, then a server's refusal, then a server that could not be reached.
 _RAISE_FIRST = (BlockSizeError, IntegrityError, ServerError)
+
+
+def _flag(name: str, value: object) -> bool:
+    """A flag the server takes only as true or false: 1, 0 and numpy bools mean what they say, but
+    ``pin="false"`` would be true -- refused, as the constructor refuses ``verify="no"``."""
+    try:
+        if value in (True, False):
+            return bool(value)
+    except ValueError:  # (an array: no single truth)
+        pass
+    raise InvalidRequest(f"{name} must be True or False, got {value!r:.40}")
 
 
 def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: Any) -> NoReturn:

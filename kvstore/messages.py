@@ -80,7 +80,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 def _check_flag(name: str, value: Any) -> None:
     if type(value) is not bool:  # ("false", 0 or None taken for their truth value pinned, or did not)
-        raise InvalidRequest(f"{name} must be true or false, got a {type(value).__name__}")
+        raise InvalidRequest(f"{name} must be true or false, got a value of type {type(value).__name__}")
 
 
 def _check_keys(keys: Any, limits: Limits) -> None:

@@ -746,34 +746,45 @@ class RedisTier(Tier):
                                        block_key(ns, key))
         return data, checksum
 
-    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False) -> list[bool]:
+    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False,
+                     max_size: int | None = None) -> list[bool]:
         """Per key: queued, or in Redis with a kvstore value header (one pipelined round of
         ``GETRANGE key 0 15``: a foreign value or type is absent, as a GET would find it;
         damage inside the block shows only when the client checks its checksum). Redis down:
         absent, or with ``strict`` ``Unavailable``. ``renew``: under ``--redis-ttl`` an
-        ``EXPIRE`` beside each ``GETRANGE`` restarts the keys' expiry (a block put again)."""
+        ``EXPIRE`` beside each ``GETRANGE`` restarts the keys' expiry (a block put again).
+        ``max_size``: a ``STRLEN`` beside each, and a block over it is absent. (Queued blocks
+        came from this server: they fit.)"""
         out = [bool(len(self.queue)) and self.queue.get(ns, k) is not None for k in keys]
         ask = [i for i, p in enumerate(out) if not p]
         if ask and strict and not self._up.is_set():
             raise self._unavailable()
         if ask and self._up.is_set():
-            step = 2 if renew and self.ttl_s else 1
+            expire = bool(renew and self.ttl_s)
+            step = 1 + (max_size is not None) + expire
             cmds: list[tuple[Any, ...]] = []
             for i in ask:
-                cmds.append(("GETRANGE", block_key(ns, keys[i]), 0, HEADER_SIZE - 1))
-                if step == 2:
-                    cmds.append(("EXPIRE", block_key(ns, keys[i]), self.ttl_s))
-            if step == 2:  # the namespace's record lives as long as its blocks
+                name = block_key(ns, keys[i])
+                cmds.append(("GETRANGE", name, 0, HEADER_SIZE - 1))
+                if max_size is not None:
+                    cmds.append(("STRLEN", name))
+                if expire:
+                    cmds.append(("EXPIRE", name, self.ttl_s))
+            if expire:  # the namespace's record lives as long as its blocks
                 cmds.append(("EXPIRE", ns_record_key(ns), self.ttl_s))
             try:
-                heads = (await self._execute(cmds))[:step * len(ask):step]
+                answers = (await self._execute(cmds))[:step * len(ask)]
             except Unavailable:
                 if strict:
                     raise
-                heads = [b""] * len(ask)
-            for i, head in zip(ask, heads):
+                answers = [b"", 0, 0][:step] * len(ask)
+            for j, i in enumerate(ask):
+                head = answers[step * j]
                 decoded = decode_value(head) if isinstance(head, bytes) else None
                 out[i] = decoded is not None and not misplaced(decoded[2], block_key(ns, keys[i]))
+                if out[i] and max_size is not None:
+                    length = answers[step * j + 1]
+                    out[i] = isinstance(length, int) and length - HEADER_SIZE <= max_size
         return out
 
     # -- deletes

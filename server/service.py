@@ -545,7 +545,7 @@ class Service:
         """Extend the in-memory prefix with what the tier holds (its blocks come in on GET)."""
         assert self.tier is not None
         try:
-            present = await self.tier.exists(ns, keys[n:])
+            present = await self.tier.exists(ns, keys[n:], max_size=self.max_reply)  # (GET could not send more)
         except Unavailable:
             return {"n": n, **granted}  # degraded: memory's answer is still a correct lower bound
         for p in present:
@@ -648,7 +648,7 @@ class Service:
         assert self.tier is not None
         missing = [i for i, p in enumerate(present) if not p]
         try:
-            for i, p in zip(missing, await self.tier.exists(ns, [keys[i] for i in missing])):
+            for i, p in zip(missing, await self.tier.exists(ns, [keys[i] for i in missing], max_size=self.max_reply)):
                 present[i] = p
         except Unavailable:
             pass

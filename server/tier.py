@@ -58,10 +58,12 @@ class Tier(ABC):
         """``(data, checksum)`` per key, ``None`` where absent; one pipelined round trip."""
 
     @abstractmethod
-    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False) -> list[bool]:
+    async def exists(self, ns: str, keys: Sequence[bytes], *, strict: bool = False, renew: bool = False,
+                     max_size: int | None = None) -> list[bool]:
         """Per key: held (or queued); with ``strict`` a backend that cannot answer raises
         ``Unavailable`` instead of counting as absent; with ``renew`` the held keys' expiry starts
-        again, as if written now."""
+        again, as if written now; a block over ``max_size`` bytes counts as absent (this server
+        could not send it: another one with a larger --max-frame-size stored it)."""
 
     @abstractmethod
     def delete(self, ns: str, keys: Sequence[bytes]) -> Awaitable[int]:

@@ -257,13 +257,19 @@ async def test_flush_of_an_empty_or_non_string_namespace_is_refused_not_taken_fo
 
 async def test_pin_and_unpin_flags_that_are_truthy_but_not_bool_mean_what_they_say(kv_server: ServerProcess) -> None:
     """The server takes only true or false for pin/unpin (a pin="false" from another client pinned):
-    the client passes Python's truth of what it is given, so pin=1 or a numpy bool still pins."""
+    the client sends 1, 0 and numpy bools as the booleans they equal, and refuses anything else."""
     async with AsyncKVClient(kv_server.addr, namespace="truthy") as kv:
         keys = make_keys("truthy", 2)
         await kv.put(keys, [b"x" * 100] * 2)
         assert await kv.lookup(keys, pin=1) == 2  # type: ignore[arg-type]
         assert await kv.get(keys, unpin=np.True_) is not None  # type: ignore[arg-type]
         assert await kv.get_into(keys, [bytearray(100) for _ in keys], unpin=0) == [True, True]  # type: ignore[arg-type]
+        assert (await kv.stats())["store"]["leases"] == 0
+        for bad in ("false", "no", 2, None):
+            with pytest.raises(InvalidRequest, match="pin must be True or False"):
+                await kv.lookup(keys, pin=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="unpin must be True or False"):
+                await kv.get(keys, unpin=bad)  # type: ignore[arg-type]
         assert (await kv.stats())["store"]["leases"] == 0
 
 

@@ -1013,13 +1013,15 @@ async def test_a_block_over_the_reply_limit_is_refused_naming_the_flag_not_askin
         make_server: MakeServer, unix_path: str, redis_server: RedisProcess) -> None:
     """Read through from a Redis that a server with a larger --max-frame-size filled, a block over
     this server's limit cannot come back over the socket: the refusal said "ask for fewer at a
-    time", which cannot help with one block."""
+    time", which cannot help with one block. And LOOKUP and EXISTS found it present: a decode
+    node saw a hit it could never load (review); such a block counts as absent there."""
     big = make_server("--capacity", "16MiB", "--redis", redis_server.url)
     srv = make_server("--capacity", "16MiB", "--max-frame-size", "1MiB", "--unix", unix_path, "--redis", redis_server.url)
-    k = key(1, "over-reply")
+    k, small = key(1, "over-reply"), key(2, "over-reply")
     async with AsyncKVClient(big.addr, namespace="o") as kv:
-        assert (await kv.put([k], [data(k, 3 << 20)])).stored == 1
+        assert (await kv.put([small, k], [data(small, 1 << 20), data(k, 3 << 20)])).stored == 2
     async with AsyncKVClient(srv.addr, namespace="o") as tcp:
+        assert await tcp.lookup([small, k]) == 1 and await tcp.exists([small, k]) == [True, False]
         with pytest.raises(TooLarge, match=r"a block of 3145728 bytes is over the reply limit of 1048576 "
                                            r"\(--max-frame-size\): it cannot be read from this server in one piece"):
             await tcp.get([k])

@@ -112,8 +112,8 @@ class PagedKVTransfer:
             if cache.stride(-1) != 1:
                 raise ValueError(f"layer {i}: the last axis must be contiguous")
             if _self_overlapping(cache):  # (a load would fail part-way, the layers before it written)
-                raise ValueError(f"layer {i}: its elements overlap (an expand()ed or as_strided view); "
-                                 "a KV cache needs memory of its own for every element")
+                raise ValueError(f"layer {i}: its elements overlap, or may (an expand()ed or interleaved "
+                                 "as_strided view); a KV cache needs memory of its own for every element")
             raw = cache.view(torch.uint8)
             shape = list(raw.shape)
             shape[dim] = block_size_factor
@@ -341,8 +341,9 @@ class _SideStream:
 
 
 def _self_overlapping(t: torch.Tensor) -> bool:
-    """Whether two indices of ``t`` reach one element: its axes, by stride, each step past all the
-    elements of the axes before it."""
+    """Whether two indices of ``t`` may reach one element: unless its axes, by stride, each step
+    past all the elements of the axes before it (as every real cache layout does). Conservative:
+    an interleaved ``as_strided`` view that does not overlap is refused too."""
     reach = 0  # the furthest element the axes so far reach, from the first
     for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
         if stride <= reach:
