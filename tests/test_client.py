@@ -51,6 +51,22 @@ async def test_get_recycles_only_dropped_buffers() -> None:
             assert bytes(kept) == blocks[0]  # a held block never changes under its owner
 
 
+def test_the_recycler_lets_go_of_dropped_buffers_of_a_size_no_longer_asked_for() -> None:
+    """Full of one size, a request of another size frees dropped buffers of the first (held ones
+    stay held, and are never handed out); the held bytes stay within the bound."""
+    from kvstore.client.buffers import Recycler
+
+    r = Recycler(max_bytes=4 * 1000)
+    small = [r.take(1000) for _ in range(4)]
+    assert r.held == 4000
+    kept = small[0]
+    del small
+    big = r.take(2000)  # no room: the dropped 1000-byte buffers go, the held one stays
+    assert len(big) == 2000 and r.held == 1000 + 2000
+    assert r.take(1000) is not kept and r.take(2000) is not big  # (held ones never come back)
+    assert r.held <= r.max_bytes
+
+
 async def test_large_read_is_split_over_connections() -> None:
     with ServerProcess("--capacity", "64MiB") as srv:
         async with AsyncKVClient(srv.addr, namespace="t", pool_size=4, split_bytes=256 << 10) as kv:
