@@ -79,7 +79,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 def _check_flag(name: str, value: Any) -> None:
-    if type(value) is not bool:  # ("false", 0 or None taken for their truth value pinned, or did not)
+    if type(value) is not bool:  # (taken for its truth, "false" pinned)
         raise InvalidRequest(f"{name} must be true or false, got a value of type {type(value).__name__}")
 
 
