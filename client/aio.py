@@ -689,7 +689,7 @@ def _flag(name: str, value: object) -> bool:
     try:
         if value in (True, False):
             return bool(value)
-    except ValueError:  # (an array: no single truth)
+    except (ValueError, RuntimeError, TypeError):  # (an array or tensor: no single truth)
         pass
     raise InvalidRequest(f"{name} must be True or False, got {value!r:.40}")
 

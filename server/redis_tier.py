@@ -228,6 +228,9 @@ class RedisTier(Tier):
         #: The largest block Redis takes (its proto-max-bulk-len, less the value header); a larger
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block: int = _BULK_LEN - HEADER_SIZE
+        #: Acknowledged write-behind blocks dropped for being over that limit (queued while Redis,
+        #: down, had not said it): never written, so a stop counts them as unwritten.
+        self.dropped_too_big = 0
         self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
         #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
@@ -330,7 +333,8 @@ class RedisTier(Tier):
 
     async def close(self) -> int:
         """Flush the write-behind queue (probing a degraded Redis until ``flush_timeout``), then
-        disconnect; the number of queued blocks that were not written."""
+        disconnect; the number of acknowledged blocks that were not written (queued still, or
+        dropped as over Redis's limit)."""
         deadline = time.monotonic() + self.flush_timeout
         if len(self.queue):
             log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
@@ -350,11 +354,14 @@ class RedisTier(Tier):
                       "%.0fs%s (last error: %s)", self.target, why, len(self.queue), self.queue.nbytes,
                       time.monotonic() - started, " (the stop was asked again)" if self._giving_up.is_set() else "",
                       self._last_error or "none")
+        if self.dropped_too_big:
+            log.error("redis %s: %d acknowledged write-behind block(s) over its proto-max-bulk-len were never "
+                      "written (dropped from the queue when Redis said its limit)", self.target, self.dropped_too_big)
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self.client.aclose()
-        return unwritten
+        return unwritten + self.dropped_too_big
 
     def give_up(self) -> None:
         """Stop a flush in :meth:`close` now (the operator asked twice): what is queued stays unwritten."""
@@ -611,6 +618,7 @@ class RedisTier(Tier):
             too_big = [it for it in batch if len(it.value) - HEADER_SIZE > self.max_block]
             if too_big:  # queued before Redis's limit was known (it was down): Redis would drop each try
                 self.counters["failures"] += len(too_big)
+                self.dropped_too_big += len(too_big)
                 log.error("redis %s takes blocks of at most %d bytes (proto-max-bulk-len): %d acknowledged "
                           "write-behind block(s) larger than that stay in memory only", self.target,
                           self.max_block, len(too_big))
