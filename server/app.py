@@ -187,6 +187,10 @@ class Server:
         self.limits = config.limits()
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
+        #: Connections yet to authenticate (with a token file), oldest first: a quarter of the
+        #: slots at most, the oldest crowded out by a newer one (Connection.crowd_out).
+        self.waiting_for_hello: dict[Connection, None] | None = {} if self.service.auth is not None else None
+        self._crowd_logged = 0.0
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._handshake_logged = -math.inf
         self._servers: list[asyncio.AbstractServer] = []
@@ -205,12 +209,22 @@ class Server:
         # A TLS connection joins self.connections once its handshake is done; until then it counts
         # here (it leaves this weak set with the protocol object when the handshake fails).
         handshaking = sum(1 for c in self._handshaking if c.transport is None and not c.lost)
+        waiting = self.waiting_for_hello
+        if waiting and (len(waiting) >= max(1, self.max_connections // 4)
+                        or len(self.connections) + handshaking >= self.max_connections):
+            next(iter(waiting)).crowd_out()  # (the oldest: a client's own HELLO takes one round trip)
+            now = time.monotonic()
+            if now - self._crowd_logged > 10.0:
+                self._crowd_logged = now
+                log.warning("connections without a HELLO crowd each other out (%d at most wait for theirs; "
+                            "the oldest is closed)", max(1, self.max_connections // 4),
+                            extra={"event": "auth_crowded"})
         conn: Connection | RejectedConnection
         if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
             conn = RejectedConnection(self.max_connections, self.service.counters)
         else:
-            conn = Connection(self.service, self.limits, self.connections, self.poll)
+            conn = Connection(self.service, self.limits, self.connections, self.poll, self.waiting_for_hello)
             if self.tls is not None:
                 self._handshaking.add(conn)
         if self.tls is not None:

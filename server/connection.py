@@ -55,7 +55,7 @@ PRE_AUTH_META = 64 << 10
 
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, service: Service, limits: Limits, registry: set[Connection],
-                 poll: BusyPoll | None = None) -> None:
+                 poll: BusyPoll | None = None, waiting_for_hello: dict[Connection, None] | None = None) -> None:
         self.service = service
         self.poll = poll  # the server's busy polling (None: off)
         self.session = service.new_session()
@@ -69,6 +69,9 @@ class Connection(asyncio.BufferedProtocol):
             ShmGet: svc.shm.get, ShmPut: svc.shm.put, ShmCommit: svc.shm.commit, ShmRelease: svc.shm.release,
         }
         self.registry = registry  # the server's live connections: joined once the transport is up (after TLS)
+        #: The server's connections yet to show a token, oldest first (None: no token file), from
+        #: which a newer one crowds the oldest out (see ``crowd_out``).
+        self.waiting_for_hello = waiting_for_hello if not self.session.authenticated else None
         self.transport: asyncio.Transport | None = None  # None until connected, and again once lost
         self.lost = False
         self.put_sink: PutSink | None = None
@@ -102,6 +105,8 @@ class Connection(asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
         self.registry.add(self)
+        if self.waiting_for_hello is not None:
+            self.waiting_for_hello[self] = None
         sock = transport.get_extra_info("socket")
         tune(sock)
         # high=0: pause_writing/resume_writing tell exactly when unsent output exists and when it drained.
@@ -126,6 +131,8 @@ class Connection(asyncio.BufferedProtocol):
         self.service.counters.connections -= 1
         self.idle.set()
         self.registry.discard(self)
+        if self.waiting_for_hello is not None:
+            self.waiting_for_hello.pop(self, None)
         # A TLS transport's protocol keeps this connection's bound methods: with the transport kept
         # here, the pair (and the 256 KiB read buffer) waited for a full garbage collection, and a
         # server's RSS grew with TLS clients come and gone (3.5 MB per 500, a review's churn).
@@ -233,6 +240,8 @@ class Connection(asyncio.BufferedProtocol):
         self._respond(rid, name, msg.OP, self.handlers[type(msg)](self.session, msg), t0)
         if self.session.authenticated and self.reader.limits is not self.limits:  # (a HELLO with a token)
             self.reader.limits = self.limits
+            if self.waiting_for_hello is not None:
+                self.waiting_for_hello.pop(self, None)
 
     def _respond(self, rid: int, name: str, op: int, result: Any, t0: float = 0.0) -> None:
         """Write the reply now, or when the tier call it waits on completes."""
@@ -454,6 +463,16 @@ class Connection(asyncio.BufferedProtocol):
             self._time_out("auth", frame_timeout)
         elif idle_timeout and now - self._last_rx_at > idle_timeout:
             self._time_out("idle", idle_timeout)
+
+    def crowd_out(self) -> None:
+        """Close a connection still without a token to make room for a newer one: peers that never
+        say HELLO, reconnecting as they are closed, would otherwise hold the connection slots."""
+        assert self.waiting_for_hello is not None and self.transport is not None
+        self.waiting_for_hello.pop(self, None)
+        self.registry.discard(self)  # (its slot is free now: connection_lost comes a loop turn later)
+        self.service.counters.timeouts["auth"] += 1
+        self.timed_out = self.closing = True
+        self.transport.abort()
 
     def _time_out(self, kind: str, seconds: float) -> None:
         self.timed_out = True

@@ -239,7 +239,8 @@ class KVStoreCollector:
                                   value=snap.get("auth_failures", 0))
         timeouts = CounterMetricFamily("kvstore_connection_timeouts",
                                        "Connections closed by --idle-timeout or --frame-timeout (auth: no "
-                                       "successful HELLO within --frame-timeout)", labels=["kind"])
+                                       "successful HELLO within --frame-timeout, or crowded out by newer "
+                                       "connections without one)", labels=["kind"])
         for kind in ("idle", "frame", "reply", "auth"):
             timeouts.add_metric([kind], snap.get("timeouts", {}).get(kind, 0))
         yield timeouts

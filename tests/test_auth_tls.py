@@ -505,6 +505,30 @@ def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(
         assert sock.recv(65536)
 
 
+async def test_peers_that_never_say_hello_cannot_hold_the_connection_slots(make_server, token_file: Path) -> None:
+    """(tenancy review) Closed at --frame-timeout, such peers reconnected and held every slot for as
+    long as they kept at it: a client with a token was refused at the connection limit, without a
+    token of their own. A quarter of the slots at most wait for a HELLO now, the oldest closed for a
+    newer one; connections that have shown a token are never closed for them."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--max-connections", "8")
+    socks: list[socket.socket] = []
+    async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=1) as early:
+        await early.ping()
+        try:
+            for _ in range(20):  # bare sockets, all kept open: 7 took the free slots before
+                socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+                await asyncio.sleep(0.01)
+            async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=2, retries=0) as late:
+                assert (await late.put([b"k" * 32], [b"x"])).stored == 1  # (was Unavailable: at the limit)
+            assert await early.exists([b"k" * 32]) == [True]  # (its connection stayed)
+            stats = await early.stats()
+        finally:
+            for sock in socks:
+                sock.close()
+    assert stats["timeouts"]["auth"] >= 20 - 2 and stats["connections_rejected"] == 0
+    assert any("auth_crowded" in line for line in srv.log)
+
+
 @pytest.mark.parametrize("fmt", ["kv", "json"])
 def test_a_peer_cannot_write_control_characters_into_the_log(make_server, token_file: Path, fmt: str) -> None:
     srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--log-format", fmt)
