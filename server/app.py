@@ -125,6 +125,9 @@ def _check_bindable(host: str, port: int | None, flag: str) -> None:
 #: Descriptors the server needs besides its clients' connections and Redis's: listeners, the
 #: metrics server and its scrapes, shm attaches in progress, files.
 FD_RESERVE = 64
+#: How long a connection may wait for its HELLO before a newer one may close it (see
+#: ``Server._crowd_out_one``): a client's HELLO takes a round trip.
+HELLO_GRACE_S = 1.0
 
 
 def _fit_open_file_limit(max_connections: int, reserve: int) -> int:
@@ -187,9 +190,9 @@ class Server:
         self.limits = config.limits()
         self.metrics: MetricsServer | None = None
         self.connections: set[Connection] = set()
-        #: Connections yet to authenticate (with a token file), oldest first: a quarter of the
-        #: slots at most, the oldest crowded out by a newer one (Connection.crowd_out).
-        self.waiting_for_hello: dict[Connection, None] | None = {} if self.service.auth is not None else None
+        #: Connections yet to authenticate (with a token file) -> when they came, oldest first: see
+        #: ``_crowd_out_one``.
+        self.waiting_for_hello: dict[Connection, float] | None = {} if self.service.auth is not None else None
         self._crowd_logged = 0.0
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._handshake_logged = -math.inf
@@ -212,13 +215,7 @@ class Server:
         waiting = self.waiting_for_hello
         if waiting and (len(waiting) >= max(1, self.max_connections // 4)
                         or len(self.connections) + handshaking >= self.max_connections):
-            next(iter(waiting)).crowd_out()  # (the oldest: a client's own HELLO takes one round trip)
-            now = time.monotonic()
-            if now - self._crowd_logged > 10.0:
-                self._crowd_logged = now
-                log.warning("connections without a HELLO crowd each other out (%d at most wait for theirs; "
-                            "the oldest is closed)", max(1, self.max_connections // 4),
-                            extra={"event": "auth_crowded"})
+            self._crowd_out_one(waiting)
         conn: Connection | RejectedConnection
         if len(self.connections) + handshaking >= self.max_connections:
             self.service.counters.connections_rejected += 1
@@ -232,6 +229,26 @@ class Server:
             # fails (or times out) is dropped before its connection_made, and let go of at once.
             weakref.finalize(conn, self._handshake_over, conn.session).atexit = False
         return conn
+
+    def _crowd_out_one(self, waiting: dict[Connection, float]) -> None:
+        """A new connection while a quarter of the slots wait for a HELLO, or none is free: close the
+        oldest one that has waited HELLO_GRACE_S. Peers that never say HELLO, reconnecting as fast
+        as they are closed, held every slot until --frame-timeout; a client's HELLO takes a round
+        trip, so clients connecting at once never close each other."""
+        now = time.monotonic()
+        for conn, since in waiting.items():  # (oldest first: stops at the first young one)
+            if now - since < HELLO_GRACE_S:
+                return
+            if not conn.closing:  # (one refused or timed out already is on its way out)
+                break
+        else:
+            return
+        conn.crowd_out()
+        if now - self._crowd_logged > 10.0:
+            self._crowd_logged = now
+            log.warning("connections without a HELLO for %gs closed for newer ones (%d wait for theirs; "
+                        "--max-connections %d)", HELLO_GRACE_S, len(waiting), self.max_connections,
+                        extra={"event": "auth_crowded"})
 
     def _handshake_over(self, session: Session) -> None:
         """A TLS connection's protocol is gone; it never came up if its handshake failed."""

@@ -229,8 +229,9 @@ class RedisTier(Tier):
         #: one is refused at PUT rather than acknowledged and then never written.
         self.max_block: int = _BULK_LEN - HEADER_SIZE
         #: Acknowledged write-behind blocks dropped for being over that limit (queued while Redis,
-        #: down, had not said it): never written, so a stop counts them as unwritten.
-        self.dropped_too_big = 0
+        #: down, had not said it): never written, so a stop counts them as unwritten -- unless
+        #: deleted or flushed since.
+        self.dropped_too_big: set[tuple[str, bytes]] = set()
         self._limit_read = False  # read when Redis answers, again after each outage (it may restart with another)
         #: Namespaces being flushed: their tier writes wait, or the flush's SCAN could delete a block
         #: acknowledged meanwhile (and kept in memory), which a restart would then lose.
@@ -356,12 +357,13 @@ class RedisTier(Tier):
                       self._last_error or "none")
         if self.dropped_too_big:
             log.error("redis %s: %d acknowledged write-behind block(s) over its proto-max-bulk-len were never "
-                      "written (dropped from the queue when Redis said its limit)", self.target, self.dropped_too_big)
+                      "written (dropped from the queue when Redis said its limit)", self.target,
+                      len(self.dropped_too_big))
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self.client.aclose()
-        return unwritten + self.dropped_too_big
+        return unwritten + len(self.dropped_too_big)
 
     def give_up(self) -> None:
         """Stop a flush in :meth:`close` now (the operator asked twice): what is queued stays unwritten."""
@@ -618,7 +620,7 @@ class RedisTier(Tier):
             too_big = [it for it in batch if len(it.value) - HEADER_SIZE > self.max_block]
             if too_big:  # queued before Redis's limit was known (it was down): Redis would drop each try
                 self.counters["failures"] += len(too_big)
-                self.dropped_too_big += len(too_big)
+                self.dropped_too_big.update((it.ns, it.key) for it in too_big)
                 log.error("redis %s takes blocks of at most %d bytes (proto-max-bulk-len): %d acknowledged "
                           "write-behind block(s) larger than that stay in memory only", self.target,
                           self.max_block, len(too_big))
@@ -816,6 +818,7 @@ class RedisTier(Tier):
         (the service has deleted them from memory) are neither dropped nor written before the DEL.
         """
         wanted = {(ns, k) for k in keys}
+        self.dropped_too_big -= wanted  # (the client let them go: no longer owed to Redis)
         done = asyncio.Event()
         for k in wanted:
             self._deleting.setdefault(k, []).append(done)
@@ -849,6 +852,7 @@ class RedisTier(Tier):
         """
         gate = self._flushing.setdefault(ns, _FlushGate())
         gate.running += 1
+        self.dropped_too_big = {k for k in self.dropped_too_big if k[0] != ns}
         return self._flush(ns, gate)
 
     async def _flush(self, ns: str, gate: _FlushGate) -> int:

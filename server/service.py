@@ -341,7 +341,9 @@ class PutSink:
         except Exception:  # (a bug: said, not left to "Task exception was never retrieved")
             log.exception("the check in the tier of %d block(s) put again failed", len(recheck))
             return
-        again = {i: ref for (i, ref), p in zip(recheck.items(), present) if not p and not ref.gone}
+        limit = self.tier.max_block  # (a block over it was queued before Redis said its limit: dropped once)
+        again = {i: ref for (i, ref), p in zip(recheck.items(), present)
+                 if not p and not ref.gone and (limit is None or ref.size <= limit)}
         if not again:
             return
         try:  # (queued: the copy and its place in the order are taken before the first await)

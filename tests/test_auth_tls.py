@@ -508,16 +508,20 @@ def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(
 async def test_peers_that_never_say_hello_cannot_hold_the_connection_slots(make_server, token_file: Path) -> None:
     """(tenancy review) Closed at --frame-timeout, such peers reconnected and held every slot for as
     long as they kept at it: a client with a token was refused at the connection limit, without a
-    token of their own. A quarter of the slots at most wait for a HELLO now, the oldest closed for a
-    newer one; connections that have shown a token are never closed for them."""
+    token of their own. A newer connection now closes the oldest that has waited HELLO_GRACE_S for
+    its HELLO, when a quarter of the slots wait or none is free; connections that have shown a
+    token are never closed for them, nor are clients connecting at once (review of the first form,
+    which closed them)."""
+    from kvstore.server.app import HELLO_GRACE_S
+
     srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--max-connections", "8")
     socks: list[socket.socket] = []
     async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=1) as early:
         await early.ping()
         try:
-            for _ in range(20):  # bare sockets, all kept open: 7 took the free slots before
+            for _ in range(20):  # bare sockets, all kept open: 7 take the free slots, 13 are refused
                 socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(HELLO_GRACE_S + 0.5)
             async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=2, retries=0) as late:
                 assert (await late.put([b"k" * 32], [b"x"])).stored == 1  # (was Unavailable: at the limit)
             assert await early.exists([b"k" * 32]) == [True]  # (its connection stayed)
@@ -525,8 +529,23 @@ async def test_peers_that_never_say_hello_cannot_hold_the_connection_slots(make_
         finally:
             for sock in socks:
                 sock.close()
-    assert stats["timeouts"]["auth"] >= 20 - 2 and stats["connections_rejected"] == 0
+    assert stats["timeouts"]["auth"] >= 1 and stats["connections_rejected"] == 13
     assert any("auth_crowded" in line for line in srv.log)
+
+
+async def test_clients_with_a_token_connecting_at_once_do_not_close_each_other(make_server, token_file: Path) -> None:
+    """(review) The first form of the above closed the oldest connection waiting for its HELLO as
+    soon as a quarter of the slots waited: clients connecting together, well within the limit,
+    closed each other ("closed the connection at HELLO"), 2 of 4 against --max-connections 8."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--max-connections", "8")
+    clients = [AsyncKVClient(srv.addr, token=TOKEN, pool_size=1, retries=0) for _ in range(6)]
+    try:
+        await asyncio.gather(*(kv.connect() for kv in clients))
+        await asyncio.gather(*(kv.ping() for kv in clients))
+        stats = await clients[0].stats()
+    finally:
+        await asyncio.gather(*(kv.close() for kv in clients))
+    assert stats["timeouts"]["auth"] == 0 and stats["connections_rejected"] == 0
 
 
 @pytest.mark.parametrize("fmt", ["kv", "json"])

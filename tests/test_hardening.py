@@ -305,6 +305,46 @@ async def test_a_client_that_stops_reading_its_reply_is_dropped_and_its_pins_rel
         assert (await kv.stats())["store"]["pinned_blocks"] == 0
 
 
+async def test_a_burst_of_pipelined_requests_lets_other_connections_take_turns(make_server, tmp_path) -> None:
+    """(overload review) A read event hands over up to 8 MiB of a connection's frames, and all of
+    them were handled before any other connection was heard: a peer pipelining 300,000 PINGs held
+    another client's request for ~2 s. Each connection gets FRAMES_PER_TURN at a time now: a STATS
+    sent as such a burst has arrived (a Unix socket queues megabytes of it at once) is answered
+    while most of it still waits (it was answered after the 1.6 MB queued)."""
+    path = str(tmp_path / "kv.sock")
+    srv = make_server("--capacity", "16MiB", "--frame-timeout", "30", "--unix", path, "--no-shm")
+    n = 300_000
+    burst = b"".join(bytes(b) for b in encode(Ping(), 1)) * n  # 6.3 MB
+    async with AsyncKVClient(srv.addr, pool_size=1) as kv:
+        await kv.ping()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hog:
+            hog.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            hog.connect(path)
+            await asyncio.to_thread(hog.sendall, burst)
+            pings = (await kv.stats())["requests"].get("ping", 0)
+            assert pings < 40_000, pings  # (it was 76,461, the queued part; ~500 now: a turn or two)
+            hog.shutdown(socket.SHUT_WR)
+            while await asyncio.to_thread(hog.recv, 1 << 20):  # every PING is answered all the same
+                pass
+        assert (await kv.stats())["requests"]["ping"] == n + 1
+
+
+async def test_a_client_that_reads_every_reply_is_not_taken_for_one_that_stopped(make_server) -> None:
+    """(overload review) The check read TIOCOUTQ, which over TCP counts bytes sent and not yet
+    acknowledged: the last small reply of a client asking every few ms sat unacknowledged (delayed
+    ACK) at each check, read as "not moved", and the connection was dropped as a reply timeout about
+    every --frame-timeout. Over TCP the bytes not yet sent count now."""
+    srv = make_server("--capacity", "16MiB", "--frame-timeout", "1", "--idle-timeout", "300")
+    async with AsyncKVClient(srv.addr, pool_size=1) as kv:
+        (conn,) = kv.nodes[0].conns
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            await kv.ping()
+            await asyncio.sleep(0.01)
+        stats = await kv.stats()
+        assert stats["timeouts"]["reply"] == 0 and kv.nodes[0].conns == [conn] and not conn.closed
+
+
 async def test_a_client_that_stops_reading_then_sends_a_bad_frame_is_dropped_all_the_same(make_server) -> None:
     """The bad frame made the connection 'closing', and a closing connection was skipped by the
     timeouts while its close waited for the reply to flush: it held its slot and the reply's pins
