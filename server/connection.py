@@ -162,6 +162,10 @@ class Connection(asyncio.BufferedProtocol):
         self._poll()
 
     def eof_received(self) -> bool:
+        if self.turn is not None:  # (TLS: the peer's close_notify came in the data whose frames wait for
+            self.turn.cancel()    # their turn: answered now, all of them, before the transport closes)
+            self.turn = None
+            self._process(every=True)
         return False  # close our side too
 
     def pause_writing(self) -> None:
@@ -196,12 +200,12 @@ class Connection(asyncio.BufferedProtocol):
             self.poll.kick()
 
     # -- frame handling
-    def _process(self) -> None:
+    def _process(self, every: bool = False) -> None:
         # Paused by back-pressure: frames already buffered wait too, or one read of small GETs
-        # could queue thousands of pinned replies past max_pending_out.
+        # could queue thousands of pinned replies past max_pending_out. ``every``: no turns.
         handled = 0
         while not self.closing and not self.reading_paused and not self.out_of_step and self.turn is None:
-            if handled == FRAMES_PER_TURN:  # the other connections' turn, then the rest (see FRAMES_PER_TURN)
+            if handled == FRAMES_PER_TURN and not every:  # the other connections' turn, then the rest
                 assert self.transport is not None
                 self.transport.pause_reading()
                 self.turn = asyncio.get_running_loop().call_soon(self._next_turn)
@@ -405,13 +409,14 @@ class Connection(asyncio.BufferedProtocol):
         """Set or clear ``idle``; a draining connection with nothing left to do closes. Called
         after each event here, and by the server when its shm pins expire."""
         busy = (self.reader.in_frame or self.put_sink is not None or self.output_pending or bool(self.tasks)
+                or self.turn is not None  # (frames read wait for their turn)
                 or self.service.shm.busy(self.session))  # a drain waits for shm copies to be released
         if busy:
             self.idle.clear()
         else:
             self.idle.set()
             if self.draining:
-                self.close()
+                self._linger()  # (requests still coming are dropped, not answered with a reset)
 
     def close(self) -> None:
         """Close after flushing what was already written."""
