@@ -32,12 +32,15 @@ from kvstore.protocol import (
 from kvstore.protocol import ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease
 from kvstore.sockets import tune
 from kvstore.store import BlockRef
+from kvstore.throttle import ThrottledLog
 
 from .poll import BusyPoll
 from .service import Counters, GetResult, PutSink, Service, Session, error_fields
 from .shm import unix_peer
 
 log = logging.getLogger(__name__)
+#: Frames that could not be parsed: a line a second at most, with a count of those held back.
+_failure_log = ThrottledLog(log, seconds=1.0)
 
 #: Buffers and block pins a connection's unsent replies may hold before it stops being read, as
 #: ``max_pending_out`` bounds their bytes: a GET of many small (or repeated) blocks queues one
@@ -347,7 +350,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _protocol_failure(self, exc: BaseException) -> None:
         """Answer once (in a form the peer may understand) and close."""
-        log.warning("closing connection from %s: %s", self.session.peer, exc)
+        _failure_log.warning("closing connection from %s: %s", self.session.peer, exc)
         self.service.counters.count("malformed", failed=True)
         first = self.reader.buffered()[:16] if self.reader.frames == 0 else b""
         foreign = foreign_reply(first) if first else None

@@ -92,6 +92,9 @@ class Counters:
 #: After a Redis restart every put of a block memory still holds writes it again: one line per put would
 #: flood the log at the request rate.
 _again_log = ThrottledLog(log)
+#: Refused HELLOs and requests: a line a second of each kind at most, with a count of those held
+#: back (a flood of bad peers wrote ~2,500 lines in 4 s); each is counted in auth_failures.
+_refusal_log = ThrottledLog(log, seconds=1.0)
 
 
 def _written_again(n: int, ns: str) -> None:
@@ -498,7 +501,7 @@ class Service:
         if grant is None or not grant.allows(msg.namespace):
             session.authenticated, session.refused = False, True
             self.counters.auth_failures += 1
-            log.warning("refused HELLO from %s for namespace %r: %s", session.peer, msg.namespace,
+            _refusal_log.warning("refused HELLO from %s for namespace %r: %s", session.peer, msg.namespace,
                         "no token" if not msg.token else "wrong token" if grant is None else "namespace not granted",
                         extra={"event": "auth_failed", "peer": session.peer, "namespace": msg.namespace})
             raise Unauthorized("token missing or wrong" if grant is None else
@@ -523,7 +526,7 @@ class Service:
                 session.refused = True
                 self.counters.auth_failures += 1
                 what = OP_NAMES[REQUESTS[op]].upper() if op in REQUESTS else f"op {op}"
-                log.warning("refused %s from %s: no HELLO first", what, session.peer,
+                _refusal_log.warning("refused %s from %s: no HELLO first", what, session.peer,
                             extra={"event": "auth_failed", "peer": session.peer})  # (no namespace: none was named)
             raise Unauthorized("authenticate with HELLO first")
 
@@ -669,7 +672,7 @@ class Service:
         ns = msg.namespace or session.namespace
         if session.grant is not None and not session.grant.allows(ns):
             self.counters.auth_failures += 1  # (a refusal like HELLO's: logged and counted alike)
-            log.warning("refused FLUSH from %s of namespace %r: namespace not granted", session.peer, ns,
+            _refusal_log.warning("refused FLUSH from %s of namespace %r: namespace not granted", session.peer, ns,
                         extra={"event": "auth_failed", "peer": session.peer, "namespace": ns})
             raise Unauthorized(f"token not valid for namespace {ns!r}")
         n = self.store.flush(ns)

@@ -95,6 +95,7 @@ def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(put_frame(1))  # no HELLO at all
         assert replies(read_all(s)) == [(0xFF, 1)]
+    time.sleep(1.1)  # (refusals of a kind are logged a line a second at most)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(frames(Lookup(keys=[b""]), Ping()))  # no HELLO, and a malformed request: refused just the same
         got = read_all(s)
@@ -107,6 +108,28 @@ def test_a_refused_hello_closes_the_connection_and_nothing_else_runs(make_server
     line = srv.wait_log(r"refused LOOKUP from .*no HELLO first.*auth_failed")  # (the last one: all are in)
     assert "namespace=" not in line  # (none was named: not the session's "default")
     assert sum("no HELLO first" in line and "auth_failed" in line for line in srv.log) == 2
+
+
+def test_a_flood_of_refused_hellos_is_counted_whole_and_logged_a_line_a_second(make_server, token_file: Path) -> None:
+    """(review) Each refused HELLO and each frame that could not be parsed wrote a warning: a flood
+    of bad peers wrote ~2,500 lines in 4 s. A line a second of each kind now, the next one saying
+    how many were held back; the counters count them all."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    for _ in range(50):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(frames(Hello(token="nope")))
+            read_all(s)
+    time.sleep(1.1)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(frames(Hello(token="nope")))
+        read_all(s)
+    with KVClient(srv.addr, token=TOKEN) as kv:
+        assert kv.stats()["auth_failures"] == 51
+    srv.wait_log(r"refused HELLO .* more like it held back")
+    lines = [line for line in srv.log if "refused HELLO" in line]
+    held = sum(int(line.split(" more like it held back")[0].rsplit("(", 1)[1]) for line in lines
+               if "held back" in line)
+    assert len(lines) + held == 51 and len(lines) <= 10, lines
 
 
 async def test_namespace_scoped_token(make_server, token_file: Path) -> None:
