@@ -236,12 +236,9 @@ class Server:
         as they are closed, held every slot until --frame-timeout; a client's HELLO takes a round
         trip, so clients connecting at once never close each other."""
         now = time.monotonic()
-        for conn, since in waiting.items():  # (oldest first: stops at the first young one)
-            if now - since < HELLO_GRACE_S:
-                return
-            if not conn.closing:  # (one refused or timed out already is on its way out)
-                break
-        else:
+        # (oldest first; one refused or timed out already is on its way out)
+        conn = next((c for c in waiting if not c.closing), None)
+        if conn is None or now - waiting[conn] < HELLO_GRACE_S:
             return
         conn.crowd_out()
         if now - self._crowd_logged > 10.0:

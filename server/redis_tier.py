@@ -787,7 +787,7 @@ class RedisTier(Tier):
             except Unavailable:
                 if strict:
                     raise
-                answers = [b"", 0, 0][:step] * len(ask)
+                return out  # (what is queued; the rest absent)
             for j, i in enumerate(ask):
                 head = answers[step * j]
                 decoded = decode_value(head) if isinstance(head, bytes) else None
