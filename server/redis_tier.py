@@ -337,8 +337,9 @@ class RedisTier(Tier):
         disconnect; the number of acknowledged blocks that were not written (queued still, or
         dropped as over Redis's limit)."""
         deadline = time.monotonic() + self.flush_timeout
-        if len(self.queue):
-            log.info("flushing %d write-behind block(s) to redis before exit", len(self.queue))
+        queued = len(self.queue)
+        if queued:
+            log.info("flushing %d write-behind block(s) to redis before exit", queued)
         started = time.monotonic()
         while len(self.queue) and time.monotonic() < deadline and not self._giving_up.is_set():
             if self._flusher is None or self._flusher.done():
@@ -348,6 +349,8 @@ class RedisTier(Tier):
             await self._unless_giving_up(self.check_health(), deadline)
             await self._unless_giving_up(asyncio.sleep(0.05), deadline)
         unwritten = len(self.queue)
+        if queued and not unwritten and not self.dropped_too_big:  # (an operator reading the log learns the flush ended, and how fast)
+            log.info("flushed %d write-behind block(s) to redis in %.1fs", queued, time.monotonic() - started)
         if unwritten:
             why = "did not take them" if self._up.is_set() and self._refusing else (
                 "was too slow" if self._up.is_set() else "unreachable")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -565,6 +566,7 @@ async def test_sigterm_flushes_the_write_behind_queue(make_redis, make_server) -
     redis.start()  # (here even waiting for Redis to come back)
     assert srv.proc.wait(15) == 0
     assert not any("were not written" in line for line in srv.log)
+    assert any(re.search(r"flushed 40 write-behind block\(s\) to redis in \d+\.\ds", line) for line in srv.log)
     assert all(in_redis(redis, NS, keys))
     assert int(redis.cli("STRLEN", block_key(NS, keys[-1]))) == HEADER_SIZE + 200_000
 
