@@ -165,6 +165,8 @@ class Put(Message):
         _check_keys(self.keys, limits)
         _check_parent(self.parent)
         _check_ints("sizes", self.sizes, len(self.keys))  # (--max-block: per block, at reserve)
+        if not isinstance(self.checksums, list):  # (nil, false or {} were taken for "none", as SHM_COMMIT does not)
+            raise InvalidRequest("checksums must be a list of integers (empty for none)")
         if self.checksums:
             _check_ints("checksums", self.checksums, len(self.keys))
         if sum(self.sizes) != payload_len:

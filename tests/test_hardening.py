@@ -551,7 +551,10 @@ async def test_a_meta_with_misnamed_or_mistyped_fields_is_refused_not_answered_a
              (Lookup.OP, {"key": [k]}, "LOOKUP needs the field(s) keys"),
              (Put.OP, {"keys": [k]}, "PUT needs the field(s) sizes"),
              (Lookup.OP, {"keys": [k], "pin": "false"}, "pin must be true or false"),
-             (Get.OP, {"keys": [k], "unpin": 1}, "unpin must be true or false")]
+             (Get.OP, {"keys": [k], "unpin": 1}, "unpin must be true or false"),
+             (Put.OP, {"keys": [k], "sizes": [0], "checksums": None}, "checksums must be a list"),
+             (Put.OP, {"keys": [k], "sizes": [0], "checksums": False}, "checksums must be a list"),
+             (Put.OP, {"keys": [k], "sizes": [0], "checksums": {}}, "checksums must be a list")]
     data = b"".join(HEADER.pack(MAGIC, VERSION, op, i, len(m), 0) + m
                     for i, (op, meta, _) in enumerate(metas, 1) for m in [msgpack.packb(meta)])
     got = await exchange(srv.port, data + b"".join(bytes(b) for b in encode(Ping(), 99)), count=len(metas) + 1)
@@ -560,6 +563,7 @@ async def test_a_meta_with_misnamed_or_mistyped_fields_is_refused_not_answered_a
     assert got[-1].request_id == 99 and not isinstance(got[-1].msg, ErrorReply)  # the connection goes on
     async with AsyncKVClient(srv.addr) as kv:
         assert (await kv.stats())["store"]["leases"] == 0  # (pin="false" had pinned)
+        assert (await kv.get([k]))[0] == b"x" * 100  # (a PUT with checksums nil had replaced it with b"")
 
 
 def test_a_client_still_sending_when_its_frame_is_refused_reads_the_answer(make_server) -> None:
