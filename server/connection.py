@@ -448,8 +448,13 @@ class Connection(asyncio.BufferedProtocol):
         return n
 
     def start_drain(self) -> None:
-        """Finish the request in progress, flush its reply, then close."""
+        """Finish the request in progress, flush its reply, then close. A peer that has not said
+        HELLO on a server with tokens has nothing in progress worth waiting for (a frame it stopped
+        in the middle of held a stop for --drain-seconds): it is closed at once."""
         self.draining = True
+        if not self.session.authenticated:
+            self.close()
+            return
         self.update_idle()
 
     def check_timeouts(self, now: float, idle_timeout: float, frame_timeout: float) -> None:

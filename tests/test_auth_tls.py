@@ -528,6 +528,22 @@ def test_a_connection_that_does_not_authenticate_is_closed_at_the_frame_timeout(
         assert sock.recv(65536)
 
 
+def test_sigterm_does_not_wait_for_a_peer_without_a_token_stopped_mid_frame(make_server, token_file: Path) -> None:
+    """(fix review, left from session 29) A peer that had not said HELLO on a server with tokens and
+    stopped mid-frame held a stop for the whole --drain-seconds, though nothing of its can be in progress."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file), "--drain-seconds", "20",
+                      "--frame-timeout", "60")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(frames(Hello(token=TOKEN))[:10])  # half a header, then nothing
+        time.sleep(0.3)
+        assert srv.proc is not None
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(25) == 0
+        assert time.monotonic() - t0 < 5, "the stop waited for a peer without a token stopped mid-frame"
+        assert sock.recv(65536) == b""  # closed, not answered
+
+
 async def test_peers_that_never_say_hello_cannot_hold_the_connection_slots(make_server, token_file: Path) -> None:
     """(tenancy review) Closed at --frame-timeout, such peers reconnected and held every slot for as
     long as they kept at it: a client with a token was refused at the connection limit, without a
