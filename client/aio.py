@@ -473,6 +473,14 @@ class AsyncKVClient:
         if type(n) is int and 0 < n <= len(part) and not self.closed:
             self._in_background(self._unpin_quietly([(node, part[:n])]))
 
+    def _give_back(self, keys: list[bytes], node: Node | None = None) -> None:
+        """Drop in the background one lease on each of ``keys`` (on ``node``, or each key's server),
+        which nobody will: an unpinning get that never reached its server, a pinned lookup whose
+        caller was interrupted as it answered (the blocking client)."""
+        if not self.closed:
+            groups = [(node, keys)] if node is not None else [(n, _pick(keys, ix)) for n, ix in self._groups(keys)]
+            self._in_background(self._unpin_quietly(groups))
+
     def _in_background(self, work: Awaitable[None]) -> asyncio.Future[None]:
         """Run ``work`` on its own, kept until it ends (close() waits for it, a second at most)."""
         task = asyncio.ensure_future(work)
@@ -509,6 +517,10 @@ class AsyncKVClient:
         every error of :meth:`get` it carries ``result`` (the filled buffers' views).
         So is a read-only or non-contiguous buffer; an object that is no buffer at all (a
         tensor) is an ``InvalidRequest``, as for :meth:`put`.
+
+        ``unpin=True`` drops one lease per key (a pinned lookup's) as the server answers; a share
+        cancelled before it reached its server (waiting for a pooled connection) gives its leases
+        back, so a load cancelled by a deadline leaves none.
         """
         views = []
         for i, b in enumerate(_listed(buffers, "buffers")):
@@ -538,23 +550,38 @@ class AsyncKVClient:
         unready: dict[Node, KVStoreError] = {}  # servers whose first connection failed: their shares fail
         if not all(node.limits_known for node in self.nodes):  # (a first call: the parts follow the limits)
             nodes = [node for node, _ in self._groups(keys)]
-            for node, r in zip(nodes, await asyncio.gather(*(n.ready(not unpin) for n in nodes), return_exceptions=True)):
+            try:
+                results = await asyncio.gather(*(n.ready(not unpin) for n in nodes), return_exceptions=True)
+            except BaseException:  # (a cancel) nothing was asked: the leases it was to drop are given back
+                if unpin:
+                    self._give_back(keys)
+                raise
+            for node, r in zip(nodes, results):
                 if isinstance(r, KVStoreError):
                     unready[node] = r
                 elif isinstance(r, BaseException):
                     raise r
 
+        groups = self._read_groups(keys, buffers)
+        begun: set[int] = set()  # the shares whose ``one`` ran (a cancel can end the others' tasks first)
+
         async def one(node: Node, idx: Sequence[int]) -> GetSink | GetOutcome:
+            begun.add(id(idx))
             bufs = _pick(buffers, idx) if buffers is not None else None
+            share = _pick(keys, idx)
+            # A share that unpins and never left (a cancel while it waited for a pooled connection,
+            # a server that could not be reached) gives back the leases it was to drop.
+            unsent = partial(self._give_back, share, node) if unpin else None
             try:
                 if node in unready:
+                    if unsent is not None:
+                        unsent()
                     raise unready[node]
                 if node.shm is not None:  # same host: copied out of the arena, verified on the way
                     # (restarted without shm, or its shared-memory read pins at their limit: the socket carries it)
                     with contextlib.suppress(ShmGone, CapacityError):
-                        return await node.shm.get(_pick(keys, idx), bufs, unpin, self.verify)
-                share = _pick(keys, idx)
-                resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin,
+                        return await node.shm.get(share, bufs, unpin, self.verify, unsent)
+                resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin, unsent=unsent,
                                        make_sink=lambda f: GetSink(f, share, bufs, self._recycler, self.verify))
             except TooLarge as exc:
                 if buffers is not None or len(idx) < 2:  # (with buffers the sizes were known: a block too large)
@@ -574,7 +601,15 @@ class AsyncKVClient:
         out: list[memoryview | bytearray | None] = [None] * len(keys)
         errors: dict[int, KVStoreError] = {}
         found = nbytes = 0
-        for idx, sink in await self._per_node(keys, one, self._read_groups(keys, buffers)):
+        try:
+            shares = await self._per_node(keys, one, groups)
+        except BaseException:  # (a cancel)
+            if unpin:
+                for node, idx in groups:
+                    if id(idx) not in begun:
+                        self._give_back(_pick(keys, idx), node)
+            raise
+        for idx, sink in shares:
             for j, i in enumerate(idx):
                 blob = sink.out[j]
                 if blob is not None and self.verify and sink.checksums[j] and checksum(memoryview(blob)) != sink.checksums[j]:

@@ -302,36 +302,47 @@ class Node:
 
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
-                   orphan: Callable[[Response], None] | None = None) -> Response:
+                   orphan: Callable[[Response], None] | None = None,
+                   unsent: Callable[[], None] | None = None) -> Response:
         """One request, retried on a lost connection if ``idempotent``, or if it was never sent.
 
         ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
+        ``unsent``: called when the call ends (an error, a cancel) before the request reached a
+        connection, or with its bytes never sent (an unpinning GET: the leases it was to drop).
         """
         c = self.client
-        if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
-            self.check_up()
-        attempts = 1 + c.retries
-        for attempt in range(attempts):
-            try:
-                conn = await self.connection()
-                request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
-                resp = await request if orphan is None else await _kept(request, orphan)
-                self.failures = 0
-                return resp
-            except RequestTimeout:
-                raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
-            except NotHome:
-                raise  # (the caller's mistake: nothing to retry, and the server is not at fault)
-            except TransportError as exc:
-                if attempt == attempts - 1 or c.closed or not (idempotent or isinstance(exc, NotSent)):
-                    if c.closed:
-                        raise
-                    if self.addr in str(exc):
-                        raise self.failed(exc)
-                    raise self.failed(type(exc)(f"{self.addr}: {exc}")) from exc  # ("connection lost": whose?)
-                await asyncio.sleep(c.backoff * 2**attempt)
-        raise AssertionError("unreachable")
+        sent = False  # whether the server may have the request
+        try:
+            if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
+                self.check_up()
+            attempts = 1 + c.retries
+            for attempt in range(attempts):
+                try:
+                    conn = await self.connection()  # (a cancel while this waits: nothing sent)
+                    request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+                    sent = True  # (its first step hands the frame to the connection)
+                    resp = await request if orphan is None else await _kept(request, orphan)
+                    self.failures = 0
+                    return resp
+                except RequestTimeout:
+                    raise self.failed(RequestTimeout(f"{self.addr} did not answer within {c.timeout}s")) from None
+                except NotHome:
+                    raise  # (the caller's mistake: nothing to retry, and the server is not at fault)
+                except TransportError as exc:
+                    sent = sent and not isinstance(exc, NotSent)
+                    if attempt == attempts - 1 or c.closed or not (idempotent or isinstance(exc, NotSent)):
+                        if c.closed:
+                            raise
+                        if self.addr in str(exc):
+                            raise self.failed(exc)
+                        raise self.failed(type(exc)(f"{self.addr}: {exc}")) from exc  # ("connection lost": whose?)
+                    await asyncio.sleep(c.backoff * 2**attempt)
+            raise AssertionError("unreachable")
+        except BaseException:
+            if not sent and unsent is not None:
+                unsent()
+            raise
 
     def check_up(self) -> None:
         """Raise at once while the server is quarantined (the client's ``quarantine``)."""

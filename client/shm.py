@@ -381,10 +381,13 @@ class ShmChannel:
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 
-    async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]], retry: bool = True) -> T:
+    async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]], retry: bool = True,
+                         unsent: Callable[[], None] | None = None) -> T:
         """Run ``op`` on one pooled connection (handles are per connection); retry on transport
         errors unless told not to (an op that must not run twice) -- but always when its first
         request never left (:class:`NotSent`; a later request of an op raises none, see ``_release``).
+        ``unsent``: as for ``Node.call``, when the op ends before its first request could have
+        left (not for ``ShmGone``: the socket path then sends it).
 
         A new connection may find a restarted server: the node then holds a
         channel on the new arena (used from the next attempt on), or none
@@ -392,43 +395,53 @@ class ShmChannel:
         """
         c = self.client
         retries = c.retries
-        self.node.check_up()
-        for attempt in range(1 + retries):
-            try:
-                # (inside the try: a server restarting may refuse the connect, as on the socket path)
-                conn = await self.node.connection()
-                channel = self.node.shm
-                if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
-                    raise ShmGone(f"{self.node.addr} restarted without shared memory")
-                info = conn.hello.get("shm")
-                if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
-                    # locations from that server would point into a different arena
-                    conn.abort(TransportError("connection to another server instance than the mapped arena"))
-                    raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
-                result = await op(channel, conn)
-                self.node.failures = 0
-                return result
-            except RequestTimeout as exc:
-                raise self.node.failed(exc)  # like every other call: a timeout is not retried
-            except (ShmGone, NotHome):
-                raise  # (the socket path takes over; a client used where it is not at home)
-            except TransportError as exc:
-                # A put is retried whole: a TransportError means its connection is gone (conn.request
-                # raises one only then), and the server aborts a closed connection's reservations
-                # (server/shm.py, end_session), so no slot of the failed attempt stays reserved; a
-                # commit that ran before its answer was lost has stored the blocks, which the retry
-                # then finds "existed" -- as a socket PUT retried after a lost reply does.
-                if attempt == retries or c.closed or not (retry or isinstance(exc, NotSent)):
-                    if c.closed:
-                        raise
-                    raise self.node.failed(exc)
-                await asyncio.sleep(c.backoff * 2**attempt)
-        raise AssertionError("unreachable")
+        sent = False  # whether the server may have the op's first request
+        try:
+            self.node.check_up()
+            for attempt in range(1 + retries):
+                try:
+                    # (inside the try: a server restarting may refuse the connect, as on the socket path)
+                    conn = await self.node.connection()
+                    channel = self.node.shm
+                    if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
+                        raise ShmGone(f"{self.node.addr} restarted without shared memory")
+                    info = conn.hello.get("shm")
+                    if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
+                        # locations from that server would point into a different arena
+                        conn.abort(TransportError("connection to another server instance than the mapped arena"))
+                        raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
+                    sent = True  # (an op sends its first request before it first waits)
+                    result = await op(channel, conn)
+                    self.node.failures = 0
+                    return result
+                except RequestTimeout as exc:
+                    raise self.node.failed(exc)  # like every other call: a timeout is not retried
+                except (ShmGone, NotHome):
+                    raise  # (the socket path takes over; a client used where it is not at home)
+                except TransportError as exc:
+                    sent = sent and not isinstance(exc, NotSent)
+                    # A put is retried whole: a TransportError means its connection is gone (conn.request
+                    # raises one only then), and the server aborts a closed connection's reservations
+                    # (server/shm.py, end_session), so no slot of the failed attempt stays reserved; a
+                    # commit that ran before its answer was lost has stored the blocks, which the retry
+                    # then finds "existed" -- as a socket PUT retried after a lost reply does.
+                    if attempt == retries or c.closed or not (retry or isinstance(exc, NotSent)):
+                        if c.closed:
+                            raise
+                        raise self.node.failed(exc)
+                    await asyncio.sleep(c.backoff * 2**attempt)
+            raise AssertionError("unreachable")
+        except BaseException as exc:
+            if not sent and unsent is not None and not isinstance(exc, ShmGone):
+                unsent()
+            raise
 
     # -- get
-    async def get(self, keys: list[bytes], buffers: list[memoryview] | None, unpin: bool, verify: bool) -> GetOutcome:
+    async def get(self, keys: list[bytes], buffers: list[memoryview] | None, unpin: bool, verify: bool,
+                  unsent: Callable[[], None] | None = None) -> GetOutcome:
         """Blocks of ``keys`` (one server's share): copied out of the arena, verified, pins released."""
-        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify), retry=not unpin)
+        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify), retry=not unpin,
+                                     unsent=unsent)
 
     async def _get(self, conn: ClientConnection, keys: list[bytes], buffers: list[memoryview] | None,
                    unpin: bool, verify: bool) -> GetOutcome:

@@ -14,11 +14,11 @@ import sys
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from kvstore.errors import TransportError
 
-from .aio import _NOT_PICKLED, AsyncKVClient, PutResult
+from .aio import _NOT_PICKLED, AsyncKVClient, PutResult, _listed
 
 T = TypeVar("T")
 
@@ -59,7 +59,9 @@ class _LoopThread:
                 cls._instance = _LoopThread()
             return cls._instance
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
+        """Run ``coro`` on the loop thread and wait for it. ``orphan``: called there with the
+        result of a call that succeeded as the caller was interrupted (a pinned lookup: its leases)."""
         if os.getpid() != self.pid:  # forked: the loop thread (and the connections) stayed in the parent
             coro.close()
             raise TransportError("this KVClient was made in the parent of a fork; make a new one in this process")
@@ -77,6 +79,11 @@ class _LoopThread:
             # call has ended, so that no reply lands in the caller's buffers after we raise.
             if not call.ended.is_set():  # (else the call had ended: its own exception, nothing in flight)
                 call.wait_out(self.loop)
+            # (an interrupt is let in once the loop thread lets go of the GIL: mostly after the
+            # reply was handled, so that the call had succeeded, and what it handed over is dropped)
+            done = call.outcome
+            if orphan is not None and done.done() and not done.cancelled() and done.exception() is None:
+                self.loop.call_soon_threadsafe(orphan, done.result())
             raise
 
 
@@ -173,7 +180,11 @@ class KVClient:
         return self._runner.run(self._aio.put(keys, blocks, parent=parent))
 
     def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
-        return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms))
+        if not pin:
+            return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms))
+        keys = _listed(keys, "keys")  # (an iterator would be used up: the leases are given back by key)
+        return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms),
+                                orphan=lambda n: self._aio._give_back(keys[:n]) if n else None)
 
     def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
         return self._runner.run(self._aio.get(keys, unpin=unpin))

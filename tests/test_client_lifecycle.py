@@ -9,6 +9,7 @@ import copy
 import gc
 import os
 import pickle
+import random
 import re
 import signal
 import socket
@@ -508,6 +509,75 @@ def test_an_interrupted_blocking_call_has_ended_when_it_raises() -> None:
         signal.signal(signal.SIGALRM, old)
     time.sleep(0.5)  # longer than the call would take to write
     assert buf == bytearray(4)
+
+
+def test_a_call_that_succeeded_as_its_caller_was_interrupted_hands_its_result_to_the_orphan() -> None:
+    """(sync client review) The interrupt comes in once the loop thread lets go of the GIL, mostly after
+    the reply was handled: the call had succeeded, and what it handed over (a pinned lookup's leases)
+    was dropped with its result."""
+    from kvstore.client.sync import _LoopThread
+
+    runner, orphaned = _LoopThread.get(), []
+
+    async def call() -> int:
+        time.sleep(0.4)  # (the loop thread busy, the GIL let go: the interrupt comes in meanwhile)
+        return 7
+
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)  # a Ctrl-C, in effect
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(call(), orphan=orphaned.append)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    for _ in range(50):
+        if orphaned:
+            break
+        time.sleep(0.02)
+    assert orphaned == [7]
+
+
+def test_a_blocking_pinned_lookup_interrupted_leaves_no_leases(make_server: MakeServer) -> None:
+    """(sync client review) A KVClient.lookup(pin=True) interrupted by a signal handler that raises left
+    its leases whenever its reply had come in (about half the interrupts), pinned for their time."""
+    srv = make_server("--capacity", "16MiB", "--busy-poll-us", "0")
+    keys = [key(i, "interrupted-pin") for i in range(64)]
+
+    class Interrupt(Exception):
+        pass
+
+    def handler(signum: int, frame: Any) -> None:
+        if frame is not None and frame.f_code.co_filename == __file__:
+            return  # (the lookup had returned to this test: no interrupt of the client)
+        raise Interrupt()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    rnd, interrupted = random.Random(0), 0
+    try:
+        with KVClient(srv.addr, namespace="i") as kv:
+            kv.put(keys, [b"x" * 4096] * 64)
+            for _ in range(60):
+                signal.setitimer(signal.ITIMER_REAL, rnd.uniform(0.00005, 0.002))
+                try:
+                    try:
+                        n = kv.lookup(keys, pin=True, lease_ms=600_000)
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                except Interrupt:
+                    interrupted += 1
+                    continue
+                assert kv.unpin(keys[:n]) == n
+            leases = -1
+            for _ in range(50):  # (given back in the background)
+                leases = kv.stats()["store"]["leases"]
+                if leases == 0:
+                    break
+                time.sleep(0.1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert interrupted and leases == 0, (interrupted, leases)
 
 
 def test_an_async_client_used_in_a_forked_child_raises_there_and_the_parent_keeps_its_connections() -> None:

@@ -549,6 +549,37 @@ async def test_a_pinned_lookup_cancelled_in_flight_gives_back_what_its_reply_say
         await kv.close()
 
 
+@pytest.mark.parametrize("when", ["connecting", "waiting for a pooled connection"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_an_unpinning_get_cancelled_before_it_was_sent_gives_back_its_leases(
+        make_server: MakeServer, unix_path: str, transport: str, when: str) -> None:
+    """(sharding review) A get_into(unpin=True) split over pooled connections, cancelled (an engine's
+    deadline) while its later parts waited for their connections, left those parts' leases for their
+    whole time: they were never sent, and nothing gave them back. So did one cancelled while its
+    first connection opened. Exactly one lease per key is dropped: sent, or given back."""
+    srv = make_server("--capacity", "32MiB", "--unix", unix_path)
+    addr = f"unix:{unix_path}" if transport == "shm" else srv.addr
+    keys = [key(i, "unsent-unpin") for i in range(24)]
+    async with AsyncKVClient(srv.addr, namespace="p") as other:
+        await other.put(keys, [bytes([i]) * 16384 for i in range(24)])
+        for _ in range(2):  # two leases per key: the load's and another reader's
+            assert await other.lookup(keys, pin=True, lease_ms=600_000) == 24
+    kv = AsyncKVClient(addr, namespace="p", pool_size=4, split_bytes=64 << 10)
+    try:
+        if when != "connecting":
+            assert await kv.exists(keys[:1]) == [True]  # one connection open; the others come when asked
+        load = asyncio.ensure_future(kv.get_into(keys, [bytearray(16384) for _ in keys], unpin=True))
+        await asyncio.sleep(0)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        assert await _leases_settle([srv], 24) == [24]  # (were 48 before: the unsent parts' kept)
+        assert await kv.unpin(keys) == 24  # the other reader's lease on every key is still there
+        assert await _leases([srv]) == [0]
+    finally:
+        await kv.close()
+
+
 @pytest.mark.parametrize("retries", [0, 2])
 async def test_a_first_call_to_a_silent_server_makes_its_own_attempts_only(retries: int) -> None:
     """Learning a server's limits before the first request is that request's own attempts: against a
