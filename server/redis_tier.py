@@ -43,9 +43,10 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import xxhash
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.exceptions import (
-    AskError, ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError,
+    AskError, ClusterDownError, ClusterError, ReadOnlyError, RedisClusterException, RedisError, ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -426,8 +427,19 @@ class RedisTier(Tier):
         if not isinstance(self.client, RedisCluster):
             await self._ping_master()
             return
+        try:
+            await self._cluster_ok()
+        except _REDIS_ERRORS:
+            # redis-py renews its view of the cluster after a connection error or a MOVED only: a
+            # master removed from it (`redis-cli --cluster del-node`, which leaves it running after
+            # CLUSTER RESET) answers, cluster_state:fail, and would have been asked for good.
+            await self.client.nodes_manager.initialize()
+            await self._cluster_ok()
+
+    async def _cluster_ok(self) -> None:
         # Every master must answer *and* see the cluster as ok: a master that just came back
         # answers PING before the cluster agrees it is up, and writes fail until then.
+        assert isinstance(self.client, RedisCluster)
         info: dict[str, Any] = await self.client.cluster_info(target_nodes=RedisCluster.PRIMARIES)
         per_node: dict[str, Any] = {"": info} if "cluster_state" in info else info  # one node: not keyed by node
         bad = [node or "cluster" for node, i in per_node.items() if i.get("cluster_state") != "ok"]
@@ -506,6 +518,8 @@ class RedisTier(Tier):
                     pipe.execute_command(*cmd)
                 try:
                     results = await pipe.execute(raise_on_error=False)  # resets the pipeline whatever happens
+                    if self.cluster:
+                        await self._follow_asks(commands, results)
                 except _REDIS_ERRORS as exc:
                     outage: BaseException | None = exc
                     break
@@ -526,6 +540,37 @@ class RedisTier(Tier):
             raise Unavailable(f"redis tier {self.target}: {self._last_error}: this request failed and is not retried")
         self._mark_down(outage)
         raise self._unavailable()
+
+    async def _follow_asks(self, commands: Sequence[tuple[Any, ...]], results: list[Any]) -> None:
+        """Send again, redirects followed here, the commands redis-py gave up on ("TTL exhausted").
+
+        While a slot migrates (each step of a reshard), a key its master does not hold is asked for
+        on the new master (ASK): redis-py sends ``ASKING`` on one of its pooled connections to that
+        master and the command on another (the pool hands them out in turn), so the new master
+        answers MOVED back to the old one, and round it goes: every block new to the slot failed,
+        and the tier went degraded, for as long as the slot migrated."""
+        for i, result in enumerate(results):
+            if isinstance(result, ClusterError):
+                try:
+                    results[i] = await self._asked(commands[i])
+                except _REDIS_ERRORS as exc:
+                    results[i] = exc
+
+    async def _asked(self, cmd: tuple[Any, ...]) -> Any:
+        """One command (its key second), an ASK answered by ``ASKING`` and the command on one connection."""
+        assert isinstance(self.client, RedisCluster)
+        node: ClusterNode | None = self.client.get_node_from_key(cmd[1])
+        asking, result = False, None
+        for _ in range(3):  # (a slot whose new master migrates it on: asked again there)
+            if node is None:  # (a master with no slots yet, importing its first: unknown to redis-py)
+                return result
+            sent = PipelineCommand(1, *cmd)
+            await node.execute_pipeline([PipelineCommand(0, "ASKING"), sent] if asking else [sent])
+            result = sent.result
+            if not isinstance(result, AskError):
+                return result
+            node, asking = self.client.get_node(host=result.host, port=result.port), True
+        return result
 
     async def _answers(self) -> bool:
         """Whether Redis answers a probe now (within the timeout)."""

@@ -6,6 +6,8 @@ correct across slots, and several servers share every block.
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import TooLarge, Unavailable
 from kvstore.server.redis_layout import block_key, ns_record_key
 
-from redis_fixtures import blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
+from redis_fixtures import REDIS_CLI, blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
 
 MEM = "16MiB"
 
@@ -196,3 +198,83 @@ async def test_connections_cut_on_one_master_after_another_cost_no_outage(redis_
         assert sent == 3 and tier.counters["outages"] == 0
     finally:
         await tier.close()
+
+
+def _node_id(node: Any) -> str:
+    return node.cli("CLUSTER", "MYID").strip()
+
+
+def _owner(cluster: RedisClusterProcesses, slot: int) -> Any:
+    for line in cluster.nodes[0].cli("CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        for r in fields[8:]:
+            lo, _, hi = r.partition("-")
+            if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                return next(n for n in cluster.nodes if n.addr == fields[1].split("@")[0])
+    raise LookupError(slot)
+
+
+async def test_a_slot_being_migrated_is_written_and_read_through_its_ask_redirect(
+        redis_cluster: RedisClusterProcesses, make_server) -> None:
+    """(cluster review) While a slot migrates (the first step of every reshard: MIGRATING on its
+    master, IMPORTING on the new one), a block new to it is asked for on the new master (ASK).
+    redis-py sends ASKING on one pooled connection and the command on another, so the new master
+    answered MOVED back and the command went round until "TTL exhausted": every such put failed
+    and the whole tier went degraded, again and again for the whole migration."""
+    from redis.crc import key_slot
+
+    writer = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)
+    reader = make_server("--capacity", MEM, "--redis-cluster", redis_cluster.spec)  # (empty memory: reads Redis)
+    ns = "migrating"
+    keys = chain(400, "migrating")
+    slot = key_slot(block_key(ns, keys[0]).encode())
+    source = _owner(redis_cluster, slot)
+    assert source.cli("CLUSTER", "COUNTKEYSINSLOT", str(slot)) == "0"
+    target = next(n for n in redis_cluster.nodes if n is not source)
+    moving = [k for k in keys if key_slot(block_key(ns, k).encode()) == slot][:1] + \
+        [k for k in keys if key_slot(block_key(ns, k).encode()) != slot][:8]  # one of the slot's, others beside it
+    data = blocks(moving, 5000)
+    async with AsyncKVClient(writer.addr, namespace=ns) as w:
+        assert (await w.put(moving[1:], data[1:])).stored == 8  # pooled connections to every master
+        warm = chain(64, "warm")  # puts at once: the tier's pipelines at once, several connections to each master
+        await asyncio.gather(*(w.put([k], [b"w" * 4096]) for k in warm))
+        target.cli("CLUSTER", "SETSLOT", str(slot), "IMPORTING", _node_id(source))
+        source.cli("CLUSTER", "SETSLOT", str(slot), "MIGRATING", _node_id(target))
+        try:
+            assert (await w.put(moving[:1], data[:1])).stored == 1  # (was: Unavailable, TTL exhausted)
+            tier = (await w.stats())["tier"]
+            assert tier["state"] == "ok" and tier["outages"] == 0
+            async with AsyncKVClient(reader.addr, namespace=ns) as r:
+                await asyncio.gather(*(r.get([k]) for k in warm))  # (the reader's connections too)
+                assert payloads(await r.get(moving)) == data  # read through the same redirect
+                tier = (await r.stats())["tier"]
+                assert tier["state"] == "ok" and tier["outages"] == 0
+        finally:  # the migration finished: the slot is the target's (its one key is there already)
+            for node in (target, source, *(n for n in redis_cluster.nodes if n not in (source, target))):
+                node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", _node_id(target))
+    assert holders(redis_cluster, ns, moving[:1]) == [1]
+
+
+async def test_a_master_removed_from_the_cluster_is_not_asked_for_good(tmp_path, make_server) -> None:
+    """(cluster review) Removed as Redis documents it (its slots resharded away, then `--cluster
+    del-node`, which leaves it running after CLUSTER RESET), a master answered the health probe
+    with cluster_state:fail; redis-py still listed it (its view is renewed after connection errors
+    and MOVED replies only, and none came while the tier was degraded): degraded until it stopped."""
+    cluster = RedisClusterProcesses(tmp_path / "cluster").start()
+    try:
+        srv = make_server("--capacity", MEM, "--redis-cluster", cluster.spec)
+        keep, gone = cluster.nodes[0], cluster.nodes[2]
+        async with AsyncKVClient(srv.addr, namespace="removed") as kv:
+            keys = chain(24, "removed")
+            assert (await kv.put(keys[:12], blocks(keys[:12], 1000))).stored == 12  # (every master has some)
+            for args in (["reshard", keep.addr, "--cluster-from", _node_id(gone), "--cluster-to", _node_id(keep),
+                          "--cluster-slots", "16384", "--cluster-yes"], ["del-node", keep.addr, _node_id(gone)]):
+                subprocess.run([REDIS_CLI, "--cluster", *args], capture_output=True, timeout=120, check=True)
+            assert "cluster_state:fail" in gone.cli("CLUSTER", "INFO")  # (still running)
+            await asyncio.sleep(3)  # a few health probes
+            tier = (await kv.stats())["tier"]
+            assert tier["state"] == "ok" and tier["outages"] == 0, tier["last_error"]
+            assert (await kv.put(keys[12:], blocks(keys[12:], 1000))).stored == 12
+        assert holders(cluster, "removed", keys) == [1] * 12 + [1] * 12
+    finally:
+        cluster.stop()
