@@ -542,15 +542,17 @@ class RedisTier(Tier):
         raise self._unavailable()
 
     async def _follow_asks(self, commands: Sequence[tuple[Any, ...]], results: list[Any]) -> None:
-        """Send again, redirects followed here, the commands redis-py gave up on ("TTL exhausted").
+        """Send again, redirects followed here, the commands redis-py gave up on ("TTL exhausted")
+        or failed inside of (an ``AttributeError``: an ASK to a master it does not know).
 
         While a slot migrates (each step of a reshard), a key its master does not hold is asked for
         on the new master (ASK): redis-py sends ``ASKING`` on one of its pooled connections to that
         master and the command on another (the pool hands them out in turn), so the new master
-        answers MOVED back to the old one, and round it goes: every block new to the slot failed,
-        and the tier went degraded, for as long as the slot migrated."""
+        answers MOVED back to the old one, and round it goes; and a new master with no slots yet is
+        not in its view at all. Every block new to the slot failed, and the tier went degraded, for
+        as long as the slot migrated."""
         for i, result in enumerate(results):
-            if isinstance(result, ClusterError):
+            if isinstance(result, ClusterError) or (isinstance(result, Exception) and not isinstance(result, RedisError)):
                 try:
                     results[i] = await self._asked(commands[i])
                 except _REDIS_ERRORS as exc:
@@ -562,14 +564,22 @@ class RedisTier(Tier):
         node: ClusterNode | None = self.client.get_node_from_key(cmd[1])
         asking, result = False, None
         for _ in range(3):  # (a slot whose new master migrates it on: asked again there)
-            if node is None:  # (a master with no slots yet, importing its first: unknown to redis-py)
-                return result
+            if node is None:  # (no master for the key's slot in redis-py's view)
+                raise ClusterError(f"no master serves the slot of {cmd[1]!r}")
             sent = PipelineCommand(1, *cmd)
-            await node.execute_pipeline([PipelineCommand(0, "ASKING"), sent] if asking else [sent])
+            try:
+                await node.execute_pipeline([PipelineCommand(0, "ASKING"), sent] if asking else [sent])
+            finally:
+                if asking and node not in self.client.get_nodes():
+                    await node.disconnect()  # (one made for this command, below)
             result = sent.result
             if not isinstance(result, AskError):
                 return result
-            node, asking = self.client.get_node(host=result.host, port=result.port), True
+            # A master with no slots yet (importing its first, a rebalance onto a new node) is not
+            # in redis-py's view: a node of its own for this command.
+            node = self.client.get_node(host=result.host, port=result.port) or ClusterNode(
+                result.host, result.port, "primary", **self.client.nodes_manager.connection_kwargs)
+            asking = True
         return result
 
     async def _answers(self) -> bool:

@@ -16,14 +16,17 @@ from kvstore.client import AsyncKVClient
 from kvstore.errors import TooLarge, Unavailable
 from kvstore.server.redis_layout import block_key, ns_record_key
 
-from redis_fixtures import REDIS_CLI, blocks, chain, payloads, RedisClusterProcesses, eventually, redis_cluster  # noqa: F401  (fixture)
+from redis_fixtures import (  # noqa: F401  (redis_cluster is a fixture)
+    REDIS_CLI, RedisClusterProcesses, RedisProcess, blocks, chain, eventually, payloads, redis_cluster, wait_until,
+)
 
 MEM = "16MiB"
 
 
-def holders(cluster: RedisClusterProcesses, ns: str, keys: list[bytes]) -> list[int]:
+def holders(cluster: RedisClusterProcesses | list[RedisProcess], ns: str, keys: list[bytes]) -> list[int]:
     """Per key, how many masters hold its block (asked of each master directly, no redirects)."""
-    return [sum(node.cli("EXISTS", block_key(ns, k)) == "1" for node in cluster.nodes) for k in keys]
+    nodes = cluster.nodes if isinstance(cluster, RedisClusterProcesses) else cluster
+    return [sum(node.cli("EXISTS", block_key(ns, k)) == "1" for node in nodes) for k in keys]
 
 
 async def test_blocks_spread_over_every_master(redis_cluster: RedisClusterProcesses, make_server) -> None:
@@ -255,26 +258,49 @@ async def test_a_slot_being_migrated_is_written_and_read_through_its_ask_redirec
     assert holders(redis_cluster, ns, moving[:1]) == [1]
 
 
-async def test_a_master_removed_from_the_cluster_is_not_asked_for_good(tmp_path, make_server) -> None:
-    """(cluster review) Removed as Redis documents it (its slots resharded away, then `--cluster
-    del-node`, which leaves it running after CLUSTER RESET), a master answered the health probe
-    with cluster_state:fail; redis-py still listed it (its view is renewed after connection errors
-    and MOVED replies only, and none came while the tier was degraded): degraded until it stopped."""
+async def test_a_master_added_then_removed_under_a_running_server(tmp_path, make_server) -> None:
+    """(cluster review) A master added: its first slot is imported through ASK redirects to a node
+    redis-py does not know yet (it lists masters with slots only). Then removed as Redis documents
+    it (its slots resharded away, then `--cluster del-node`, which leaves it running after CLUSTER
+    RESET): it answered the health probe with cluster_state:fail, and redis-py still listed it (its
+    view is renewed after connection errors and MOVED replies only, and none came while the tier
+    was degraded): the tier stayed degraded until the process stopped."""
+    from redis.crc import key_slot
+
     cluster = RedisClusterProcesses(tmp_path / "cluster").start()
+    new = RedisProcess(tmp_path / "new", cluster=True)
     try:
         srv = make_server("--capacity", MEM, "--redis-cluster", cluster.spec)
-        keep, gone = cluster.nodes[0], cluster.nodes[2]
-        async with AsyncKVClient(srv.addr, namespace="removed") as kv:
-            keys = chain(24, "removed")
-            assert (await kv.put(keys[:12], blocks(keys[:12], 1000))).stored == 12  # (every master has some)
-            for args in (["reshard", keep.addr, "--cluster-from", _node_id(gone), "--cluster-to", _node_id(keep),
-                          "--cluster-slots", "16384", "--cluster-yes"], ["del-node", keep.addr, _node_id(gone)]):
+        keep = cluster.nodes[0]
+        ns = "added"
+        keys = chain(24, ns)
+        slot = key_slot(block_key(ns, keys[0]).encode())
+        source = _owner(cluster, slot)
+        async with AsyncKVClient(srv.addr, namespace=ns) as kv:
+            assert (await kv.put(keys[1:12], blocks(keys[1:12], 1000))).stored == 11  # (every master has some)
+            new.start()
+            subprocess.run([REDIS_CLI, "--cluster", "add-node", new.addr, keep.addr], capture_output=True,
+                           timeout=60, check=True)
+            wait_until(lambda: all(n.cli("CLUSTER", "NODES").count("master") == 4 for n in cluster.nodes) and
+                       "cluster_state:ok" in new.cli("CLUSTER", "INFO"), 20, "every node to know the new one")
+            new.cli("CLUSTER", "SETSLOT", str(slot), "IMPORTING", _node_id(source))
+            source.cli("CLUSTER", "SETSLOT", str(slot), "MIGRATING", _node_id(new))
+            assert (await kv.put(keys[:1], blocks(keys[:1], 1000))).stored == 1  # (was: the tier degraded)
+            for node in (new, source, *(n for n in cluster.nodes if n is not source)):
+                node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", _node_id(new))
+            assert holders([*cluster.nodes, new], ns, keys[:1]) == [1]
+            assert new.cli("EXISTS", block_key(ns, keys[0])) == "1"
+            assert await kv.delete(keys[:1]) == 1  # (a MOVED: redis-py lists the new master now)
+
+            for args in (["reshard", keep.addr, "--cluster-from", _node_id(new), "--cluster-to", _node_id(keep),
+                          "--cluster-slots", "16384", "--cluster-yes"], ["del-node", keep.addr, _node_id(new)]):
                 subprocess.run([REDIS_CLI, "--cluster", *args], capture_output=True, timeout=120, check=True)
-            assert "cluster_state:fail" in gone.cli("CLUSTER", "INFO")  # (still running)
+            assert "cluster_state:fail" in new.cli("CLUSTER", "INFO")  # (still running)
             await asyncio.sleep(3)  # a few health probes
             tier = (await kv.stats())["tier"]
             assert tier["state"] == "ok" and tier["outages"] == 0, tier["last_error"]
             assert (await kv.put(keys[12:], blocks(keys[12:], 1000))).stored == 12
-        assert holders(cluster, "removed", keys) == [1] * 12 + [1] * 12
+        assert holders([*cluster.nodes, new], ns, keys[1:]) == [1] * 23
     finally:
+        new.stop()
         cluster.stop()
