@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import signal
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(flag: str, convert: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
         dest = flag.lstrip("-").replace("-", "_")
         env_default = _env_default(p, dest, default, convert, kw.get("choices"))
-        shown = _size_text(default) if convert in (_size, _positive_size, _page_size) else "unset" if default is None else default
+        shown = _size_text(default) if convert in (_size, _positive_size, _page_size, _frame_size) else \
+            "unset" if default is None else default
         p.add_argument(flag, dest=dest, type=convert, default=env_default,
                        help=f"{help} [env {ENV_PREFIX}{dest.upper()}, default {shown}]", **kw)
 
@@ -227,10 +229,32 @@ def _say(exc: BaseException, argv: Sequence[str]) -> None:
     print(f"kvstore-server: {note_env(str(exc), argv, build_parser()._option_string_actions)}", file=sys.stderr)
 
 
+#: Variables of kvstore-cli and the client, which may share an environment with the server.
+_CLIENT_ENV = {ENV_PREFIX + n for n in ("ADDR", "NAMESPACE", "TIMEOUT", "TLS", "TLS_CA", "TLS_SERVER_NAME",
+                                        "CLIENT_THREADS", "SHM_COPY_THREADS")}
+
+
+def _misspelt_env(parser: argparse.ArgumentParser) -> list[str]:
+    """A warning for each ``KVSTORE_*`` variable that no flag reads but one's nearly does
+    (``KVSTORE_CAPACTY``): ignored, the setting it was meant for silently kept its default.
+    """
+    known = {ENV_PREFIX + o[2:].replace("-", "_").upper() for a in parser._actions for o in a.option_strings
+             if o.startswith("--")}
+    out = []
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and name not in known and name not in _CLIENT_ENV:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if near:
+                out.append(f"environment variable {name} is no setting of kvstore-server (ignored): {near[0]}?")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     config = config_from_args(argv)
     setup_logging(config.log_level, config.log_format)
+    for line in _misspelt_env(build_parser()):
+        logging.getLogger("kvstore.server").warning(line)
     if idle := config.idle_redis_flags():  # (named as given: a flag, or its KVSTORE_* variable)
         message = f"{', '.join(idle)} set without a Redis tier (--redis or --redis-cluster): no effect"
         logging.getLogger("kvstore.server").warning(note_env(message, argv, build_parser()._option_string_actions))

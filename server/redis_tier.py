@@ -86,6 +86,8 @@ _REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutErro
 # Error replies that speak of the server (cluster down, a replica, slots moving), not of one command's key.
 _SERVER_STATE_ERRORS = (ClusterDownError, ReadOnlyError, TryAgainError, AskError)
 _BULK_LEN = 512 << 20  # Redis's default proto-max-bulk-len: it drops a client that sends a longer value
+#: Namespaces whose largest value is remembered (a forgotten one's next read asks STRLEN first).
+_VALUE_HINTS = 4096
 _PROBE_MIN_S, _PROBE_MAX_S = 0.25, 2.0  # health-probe back-off while degraded (asked at most once a second: app.py)
 
 
@@ -626,7 +628,10 @@ class RedisTier(Tier):
 
     def _seen(self, ns: str, value_bytes: int) -> None:
         if value_bytes > self._value_bytes.get(ns, 0):
+            self._value_bytes.pop(ns, None)  # (set again last: the oldest hint goes first)
             self._value_bytes[ns] = value_bytes
+            if len(self._value_bytes) > _VALUE_HINTS:  # (namespaces come and go: a hint each held for good)
+                del self._value_bytes[next(iter(self._value_bytes))]
 
     async def _write(self, items: Sequence[QueuedBlock]) -> None:
         """SET ``items`` in pipelines of at most ``_PIPELINE_BYTES``."""

@@ -225,6 +225,16 @@ def test_redis_settings_without_a_redis_tier_are_said_to_do_nothing() -> None:
             'KVSTORE_REDIS_TTL)"' in srv.wait_log("no effect")
 
 
+def test_a_misspelt_setting_variable_is_warned_of_not_ignored_silently() -> None:
+    """(docs review) KVSTORE_CAPACTY=8MiB was ignored without a word: the server ran on the default."""
+    with ServerProcess("--capacity", "8MiB", env={"KVSTORE_CAPACTY": "8MiB", "KVSTORE_TIMEOUT": "5",
+                                                  "KVSTORE_TLS_CA": "/x"}) as srv:
+        line = srv.wait_log("no setting of kvstore-server")
+        assert "environment variable KVSTORE_CAPACTY is no setting of kvstore-server (ignored): KVSTORE_CAPACITY?" \
+            in line
+    assert sum("no setting of kvstore-server" in line for line in srv.log) == 1  # (kvstore-cli's own: not warned)
+
+
 def test_the_eviction_policy_is_taken_in_any_case() -> None:
     from kvstore.server.cli import config_from_args
 

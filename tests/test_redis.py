@@ -1155,3 +1155,25 @@ async def test_a_put_answered_by_the_tier_is_answered_before_a_bad_frame_ends_th
         assert [(f.request_id, isinstance(f.msg, ErrorReply)) for f in got] == [(1, False), (77, False), (0, True)]
         assert "errors" not in got[1].msg.fields  # (stored)
         assert await kv.exists([k]) == [True]
+
+
+async def test_the_value_size_hints_are_kept_for_a_bounded_number_of_namespaces(redis_server) -> None:
+    """(soak review) Each namespace a block was read or written in kept its hint for good (only a
+    FLUSH took it): a server whose clients use a namespace per request grew without bound."""
+    from redis.asyncio import Redis
+
+    from kvstore.server import redis_tier
+    from kvstore.server.tier import TierBlock
+
+    tier = redis_tier.RedisTier(Redis(host="127.0.0.1", port=redis_server.port), target="test")
+    await tier.start()
+    try:
+        k = chain(1, "hint")
+        for i in range(redis_tier._VALUE_HINTS + 100):
+            await tier.store(f"ns{i}", [TierBlock(k[0], [b"x" * 10], 0, 10)]) if i % 1000 == 0 else \
+                tier._seen(f"ns{i}", 10 + 16)  # (a store notes its namespace's value size as this does)
+        assert len(tier._value_bytes) == redis_tier._VALUE_HINTS
+        assert "ns0" not in tier._value_bytes and f"ns{redis_tier._VALUE_HINTS + 99}" in tier._value_bytes
+        assert [bytes(v[0]) for v in await tier.fetch("ns0", k)] == [b"x" * 10]  # a forgotten hint: read all the same
+    finally:
+        await tier.close()
