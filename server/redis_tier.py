@@ -564,7 +564,8 @@ class RedisTier(Tier):
         """One command (its key second), an ASK answered by ``ASKING`` and the command on one connection."""
         assert isinstance(self.client, RedisCluster)
         node: ClusterNode | None = self.client.get_node_from_key(cmd[1])
-        asking, result = False, None
+        asking = made = False
+        result = None
         for _ in range(3):  # (a slot whose new master migrates it on: asked again there)
             if node is None:  # (no master for the key's slot in redis-py's view)
                 raise ClusterError(f"no master serves the slot of {cmd[1]!r}")
@@ -572,16 +573,16 @@ class RedisTier(Tier):
             try:
                 await node.execute_pipeline([PipelineCommand(0, "ASKING"), sent] if asking else [sent])
             finally:
-                if asking and node not in self.client.get_nodes():
-                    await node.disconnect()  # (one made for this command, below)
+                if made:  # (one made for this command, below)
+                    await node.disconnect()
             result = sent.result
             if not isinstance(result, AskError):
                 return result
             # A master with no slots yet (importing its first, a rebalance onto a new node) is not
             # in redis-py's view: a node of its own for this command.
-            node = self.client.get_node(host=result.host, port=result.port) or ClusterNode(
-                result.host, result.port, "primary", **self.client.nodes_manager.connection_kwargs)
-            asking = True
+            known = self.client.get_node(host=result.host, port=result.port)
+            node = known or ClusterNode(result.host, result.port, "primary", **self.client.nodes_manager.connection_kwargs)
+            asking, made = True, known is None
         return result
 
     async def _answers(self) -> bool:
