@@ -1106,6 +1106,9 @@ class KVStoreOffloadingWorker(OffloadingWorker):
                 finally:
                     pool.give(part.transfer, buffers)
                 nbytes += len(part.keys) * part.transfer.payload_size
+        except KVStoreError as exc:  # (a server down or silent fails every load: a traceback each flooded the log)
+            self._warnings.warning("kvstore: load job %d failed: %s", job_id, exc)
+            return self._failed_load(job_id, parts, expedited)
         except Exception:
             logger.exception("kvstore: load job %d failed", job_id)
             return self._failed_load(job_id, parts, expedited)
