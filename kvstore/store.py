@@ -847,7 +847,7 @@ class BlockStore:
                          "would reach the block, and it may not take a reachable block's room)"}.get(left, "")
         raise CapacityError(
             f"no room for a block of {size(pages)} in {size(arena.num_pages)}: {size(arena.free_pages)} free, "
-            f"{size(evictable)} evictable{why}, {size(self._pinned_pages)} pinned (leases, reads), "
+            f"{size(evictable)} evictable{why}, {size(self._pinned_pages)} pinned (leases, reads, checks in Redis), "
             f"{size(self._reserved_pages)} taken by puts being received (this batch's earlier blocks too)"
         )
 

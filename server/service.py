@@ -321,46 +321,41 @@ class PutSink:
     def _check_later(self, recheck: dict[int, BlockRef]) -> None:
         """Write-behind: check ``recheck`` in the tier after the answer, in a task of the service's
         (``Service.tier_checks``, awaited before the tier's last flush); skipped while
-        :data:`MAX_TIER_CHECKS` run. The blocks are not pinned meanwhile: pinned after the answer,
-        they made the client's next put fail (CapacityError) in a store full of leased blocks, for a
-        Redis round trip. A block evicted or deleted before the check ends is not written again
-        (one just put is the last to be evicted)."""
-        keys = [self.msg.keys[i] for i in recheck]
-        self.store.release_many(recheck.values())
+        :data:`MAX_TIER_CHECKS` run (the pins are then let go at once)."""
         if len(self.tier_checks) >= MAX_TIER_CHECKS:
+            self.store.release_many(recheck.values())
             return
-        task = asyncio.ensure_future(self._check_now(keys))
-        self.tier_checks.add(task)
-        task.add_done_callback(self.tier_checks.discard)
 
-    async def _check_now(self, keys: list[bytes]) -> None:
-        """Check ``keys`` in the tier; queue again those it lacks that memory still holds."""
+        def done(task: asyncio.Task[None]) -> None:  # (also for a task cancelled before its first step)
+            self.tier_checks.discard(task)
+            self.store.release_many(recheck.values())
+
+        task = asyncio.ensure_future(self._check_now(recheck))
+        self.tier_checks.add(task)
+        task.add_done_callback(done)
+
+    async def _check_now(self, recheck: dict[int, BlockRef]) -> None:
+        """Check ``recheck`` (pinned until the task ends) in the tier; queue again those it lacks."""
         assert self.tier is not None
         try:
-            present = await self.tier.exists(self.ns, keys, strict=True, renew=True)
+            present = await self.tier.exists(self.ns, [self.msg.keys[i] for i in recheck], strict=True, renew=True)
         except Unavailable:  # (cannot say now: the next put of these blocks asks again)
             return
         except Exception:  # (a bug: said, not left to "Task exception was never retrieved")
-            log.exception("the check in the tier of %d block(s) put again failed", len(keys))
+            log.exception("the check in the tier of %d block(s) put again failed", len(recheck))
             return
         limit = self.tier.max_block  # (a block over it was queued before Redis said its limit: dropped once)
-        again: list[tuple[bytes, BlockRef]] = []  # (pinned while the queue copies them)
-        for k, p in zip(keys, present):
-            ref = None if p else self.store.acquire(self.ns, k)
-            if ref is not None and limit is not None and ref.size > limit:
-                self.store.release(ref)
-            elif ref is not None:
-                again.append((k, ref))
+        again = {i: ref for (i, ref), p in zip(recheck.items(), present)
+                 if not p and not ref.gone and (limit is None or ref.size <= limit)}
         if not again:
             return
         try:  # (queued: the copy and its place in the order are taken before the first await)
-            await self.tier.store(self.ns, [TierBlock(k, ref.views, ref.checksum, ref.size) for k, ref in again])
+            await self.tier.store(self.ns, [TierBlock(self.msg.keys[i], ref.views, ref.checksum, ref.size)
+                                            for i, ref in again.items()])
         except Exception as exc:
             log.warning("could not queue %d block(s) of namespace %r missing from the tier: %s",
                         len(again), self.ns, exc)
             return
-        finally:
-            self.store.release_many(ref for _, ref in again)
         _written_again(len(again), self.ns)
 
     async def _write_again(self, again: dict[int, BlockRef]) -> None:
