@@ -554,7 +554,9 @@ class RedisTier(Tier):
         not in its view at all. Every block new to the slot failed, and the tier went degraded, for
         as long as the slot migrated."""
         for i, result in enumerate(results):
-            if isinstance(result, ClusterError) or (isinstance(result, Exception) and not isinstance(result, RedisError)):
+            # (ClusterError itself: "TTL exhausted"; not its kinds, CLUSTERDOWN and MASTERDOWN, which
+            # speak of the cluster: sent again one by one, they doubled an outage's commands)
+            if type(result) is ClusterError or (isinstance(result, Exception) and not isinstance(result, RedisError)):
                 try:
                     results[i] = await self._asked(commands[i])
                 except _REDIS_ERRORS as exc:
@@ -928,6 +930,10 @@ class RedisTier(Tier):
             n = len(dropped)
             batch: list[str | bytes] = []
             try:
+                if isinstance(self.client, RedisCluster):
+                    # SCAN asks the masters redis-py lists; one given slots since (a node added, then
+                    # rebalanced) is listed only after a MOVED reached it: its blocks stayed.
+                    await self.client.nodes_manager.initialize()
                 async for name in self.client.scan_iter(match=pattern, count=1000):
                     batch.append(name)
                     if len(batch) >= 1000:

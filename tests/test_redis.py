@@ -1206,3 +1206,28 @@ async def test_the_value_size_hints_are_kept_for_a_bounded_number_of_namespaces(
         assert [bytes(v[0]) for v in await tier.fetch("ns0", k)] == [b"x" * 10]  # a forgotten hint: read all the same
     finally:
         await tier.close()
+
+
+async def test_only_commands_redis_py_gave_up_redirecting_are_sent_again_by_hand() -> None:
+    """(fix review) The tier sends again, following ASK itself, what redis-py gave up on ("TTL
+    exhausted", a plain ClusterError) or failed inside of; CLUSTERDOWN and MASTERDOWN replies are
+    kinds of ClusterError too, and were sent again one by one: an outage's commands doubled."""
+    from redis.asyncio import Redis
+    from redis.exceptions import ClusterDownError, ClusterError, MasterDownError, ResponseError
+
+    from kvstore.server.redis_tier import RedisTier
+
+    tier = RedisTier(Redis(host="127.0.0.1", port=1), target="test")  # (never connects)
+    asked: list[tuple[str, ...]] = []
+
+    async def asked_by_hand(cmd: tuple[str, ...]) -> str:
+        asked.append(cmd)
+        return "answered"
+
+    tier._asked = asked_by_hand  # type: ignore[method-assign]
+    commands = [("GET", f"k{i}") for i in range(6)]
+    results: list[object] = [ClusterError("TTL exhausted."), ClusterDownError("CLUSTERDOWN"),
+                             MasterDownError("MASTERDOWN"), ResponseError("WRONGTYPE"), AttributeError("x"), b"v"]
+    await tier._follow_asks(commands, results)
+    assert asked == [("GET", "k0"), ("GET", "k4")]
+    assert results[0] == results[4] == "answered" and isinstance(results[1], ClusterDownError)
