@@ -500,7 +500,7 @@ class Server:
                 log.warning("drain %s; closing %d busy connection(s)",
                             "cut short" if self._hurry else "timed out", len(busy))
         for conn in list(self.connections):
-            conn.close()
+            conn.finish()
         # Let the closing connections deliver their last replies: while any still has bytes to send
         # (until the drain deadline, at least a second), not for a peer that only owes a goodbye
         # (a TLS client that never answers close_notify has nothing left to receive).

@@ -392,7 +392,9 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- lifecycle
     def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None:
+        # (never while lingering: its input is dropped as it comes, and bytes left unread when it
+        # closes reset the connection, the replies still on their way to the peer lost with it)
+        if not self.reading_paused and self.transport is not None and self.lingering is None:
             self.reading_paused = True
             self.transport.pause_reading()
 
@@ -420,6 +422,12 @@ class Connection(asyncio.BufferedProtocol):
             self.idle.set()
             if self.draining:
                 self._linger()  # (requests still coming are dropped, not answered with a reset)
+
+    def finish(self) -> None:
+        """The drain's time is up: answer nothing more, let what was written go out, then close as a
+        drain does (:meth:`_linger`). Closed at once, with the peer's next requests unread, the
+        connection was reset, and the replies written before were lost with it."""
+        self._linger()
 
     def close(self) -> None:
         """Close after flushing what was already written."""
