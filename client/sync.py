@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import weakref
-from concurrent.futures import Future
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from kvstore.errors import TransportError
@@ -59,31 +58,31 @@ class _LoopThread:
                 cls._instance = _LoopThread()
             return cls._instance
 
-    def run(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
-        """Run ``coro`` on the loop thread and wait for it. ``orphan``: called there with the
-        result of a call that succeeded as the caller was interrupted (a pinned lookup: its leases)."""
+    def run(self, make: Callable[[], Coroutine[Any, Any, T]], orphan: Callable[[T], None] | None = None) -> T:
+        """Run the coroutine ``make()`` makes on the loop thread and wait for it. ``orphan``: called
+        there with the result of a call that succeeded as the caller was interrupted (a pinned
+        lookup: its leases). The coroutine is made on the loop thread: an interrupt before it ran
+        leaves none behind, never awaited."""
         if os.getpid() != self.pid:  # forked: the loop thread (and the connections) stayed in the parent
-            coro.close()
             raise TransportError("this KVClient was made in the parent of a fork; make a new one in this process")
         if not self.can_wait():
-            coro.close()
             raise TransportError("a KVClient call cannot wait here: " + (
                 "the interpreter is shutting down" if sys.is_finalizing() else
                 "this is the clients' own event-loop thread (a __del__ the garbage collector ran there?)"))
-        call = _Call(coro)
+        call = _Call(make)
         try:
             self.loop.call_soon_threadsafe(call.start)
-            return call.outcome.result()
+            call.wait()
+            return call.result()
         except BaseException:
             # E.g. KeyboardInterrupt: cancel the request (its reply is dropped), and wait until the
             # call has ended, so that no reply lands in the caller's buffers after we raise.
-            if not call.ended.is_set():  # (else the call had ended: its own exception, nothing in flight)
+            if call.outcome is None:  # (else the call had ended: its own exception, nothing in flight)
                 call.wait_out(self.loop)
             # (an interrupt is let in once the loop thread lets go of the GIL: mostly after the
             # reply was handled, so that the call had succeeded, and what it handed over is dropped)
-            done = call.outcome
-            if orphan is not None and done.done() and not done.cancelled() and done.exception() is None:
-                self.loop.call_soon_threadsafe(orphan, done.result())
+            if orphan is not None and call.outcome is not None and call.outcome[0] == "result":
+                self.loop.call_soon_threadsafe(orphan, call.outcome[1])
             raise
 
 
@@ -91,38 +90,70 @@ os.register_at_fork(after_in_child=_LoopThread._after_fork)
 
 
 class _Call:
-    """One call's coroutine, run as a task on the loop thread.
+    """One call's coroutine, made and run as a task on the loop thread.
 
     Its state changes on the loop only, where callbacks run in the order they were posted: an
     interrupt may come before ``start`` was posted, or after (the call may be running before the
     calling thread reaches its next line), and ``abandon``, posted after it, tells which.
+
+    The caller waits on a plain lock the loop thread releases once, when the call ends: a signal
+    handler may raise in the caller's wait at any point, and the loop thread never waits on
+    anything the caller may hold then (a ``concurrent.futures.Future``'s condition, taken by
+    ``result()`` and by ``set_result()`` alike, was left held by such an interrupt: the loop
+    thread, and every KVClient of the process, hung).
     """
 
-    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
-        self.coro = coro
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        self.make = make
         self.task: asyncio.Task[Any] | None = None
-        self.outcome: Future[Any] = Future()
-        self.ended = threading.Event()
+        #: ("result", value), ("error", exception) or ("cancelled", None), once the call has ended.
+        self.outcome: tuple[str, Any] | None = None
+        self._ended = threading.Lock()
+        self._ended.acquire()  # released by the loop thread as the call ends
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self.coro)
+        if self.outcome is not None:  # (abandoned before it started: nothing to run)
+            return
+        try:
+            self.task = asyncio.get_running_loop().create_task(self.make())
+        except BaseException as exc:  # (not left to the loop's log: the caller would wait for good)
+            self._end(("error", exc))
+            return
         self.task.add_done_callback(self._settle)
 
     def _settle(self, task: asyncio.Task[Any]) -> None:
-        self.ended.set()
         if task.cancelled():
-            self.outcome.cancel()
+            self._end(("cancelled", None))
         elif task.exception() is not None:
-            self.outcome.set_exception(task.exception())
+            self._end(("error", task.exception()))
         else:
-            self.outcome.set_result(task.result())
+            self._end(("result", task.result()))
+
+    def _end(self, outcome: tuple[str, Any]) -> None:
+        if self.outcome is None:
+            self.outcome = outcome  # (before the release: a caller woken finds it set)
+            self._ended.release()
 
     def abandon(self) -> None:
-        if self.task is None:  # start was never posted: nothing runs
-            self.coro.close()
-            self.ended.set()
+        if self.task is None:  # start has not run: it never will run the call
+            self._end(("cancelled", None))
         elif not self.task.done():
             self.task.cancel()
+
+    def wait(self, timeout: float = -1) -> bool:
+        """Wait until the call has ended (an interrupt may raise here); whether it has."""
+        if self.outcome is None and self._ended.acquire(timeout=timeout):
+            self._ended.release()  # (for a later wait; a wait interrupted here finds outcome set)
+        return self.outcome is not None
+
+    def result(self) -> Any:
+        assert self.outcome is not None
+        kind, value = self.outcome
+        if kind == "error":
+            raise value
+        if kind == "cancelled":
+            raise asyncio.CancelledError()
+        return value
 
     def wait_out(self, loop: asyncio.AbstractEventLoop, limit: float = 5.0) -> None:
         """Cancel the call and wait (up to ``limit`` seconds) until it has ended, cancelling it again
@@ -130,7 +161,7 @@ class _Call:
         arrives in the turn its awaitable completes)."""
         for _ in range(int(limit / 0.05)):
             loop.call_soon_threadsafe(self.abandon)
-            if self.ended.wait(0.05):
+            if self.wait(0.05):
                 return
 
 
@@ -139,7 +170,7 @@ class KVClient:
 
     def __init__(self, addr: str | Sequence[str] = "127.0.0.1:7600", **kwargs: Any) -> None:
         self._runner = _LoopThread.get()
-        self._aio = self._runner.run(_make(addr, kwargs))
+        self._aio = self._runner.run(lambda: _make(addr, kwargs))
         # Dropped without close(): its connections live on in the shared loop thread (fds, and slots of
         # the server's --max-connections) unless closed then.
         weakref.finalize(self, _close_abandoned, self._runner, self._aio).atexit = False
@@ -164,7 +195,7 @@ class KVClient:
         self.close()
 
     def connect(self) -> None:
-        self._runner.run(self._aio.connect())
+        self._runner.run(lambda: self._aio.connect())
 
     def close(self) -> None:
         """Close the connections. Where a call cannot wait (see ``_LoopThread.can_wait``), the close is
@@ -174,41 +205,41 @@ class KVClient:
         if not self._runner.can_wait():
             _close_abandoned(self._runner, self._aio)
             return
-        self._runner.run(self._aio.close())
+        self._runner.run(lambda: self._aio.close())
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, parent: bytes | None = None) -> PutResult:
-        return self._runner.run(self._aio.put(keys, blocks, parent=parent))
+        return self._runner.run(lambda: self._aio.put(keys, blocks, parent=parent))
 
     def lookup(self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int | None = None) -> int:
         if not pin:
-            return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms))
+            return self._runner.run(lambda: self._aio.lookup(keys, pin=pin, lease_ms=lease_ms))
         keys = _listed(keys, "keys")  # (an iterator would be used up: the leases are given back by key)
-        return self._runner.run(self._aio.lookup(keys, pin=pin, lease_ms=lease_ms),
+        return self._runner.run(lambda: self._aio.lookup(keys, pin=pin, lease_ms=lease_ms),
                                 orphan=lambda n: self._aio._give_back(keys[:n]) if n else None)
 
     def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
-        return self._runner.run(self._aio.get(keys, unpin=unpin))
+        return self._runner.run(lambda: self._aio.get(keys, unpin=unpin))
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *, unpin: bool = False) -> list[bool]:
-        return self._runner.run(self._aio.get_into(keys, buffers, unpin=unpin))
+        return self._runner.run(lambda: self._aio.get_into(keys, buffers, unpin=unpin))
 
     def exists(self, keys: Sequence[bytes], *, strict: bool = False) -> list[bool]:
-        return self._runner.run(self._aio.exists(keys, strict=strict))
+        return self._runner.run(lambda: self._aio.exists(keys, strict=strict))
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return self._runner.run(self._aio.delete(keys))
+        return self._runner.run(lambda: self._aio.delete(keys))
 
     def unpin(self, keys: Sequence[bytes]) -> int:
-        return self._runner.run(self._aio.unpin(keys))
+        return self._runner.run(lambda: self._aio.unpin(keys))
 
     def flush(self, namespace: str | None = None) -> int:
-        return self._runner.run(self._aio.flush(namespace))
+        return self._runner.run(lambda: self._aio.flush(namespace))
 
     def stats(self) -> dict[str, Any]:
-        return self._runner.run(self._aio.stats())
+        return self._runner.run(lambda: self._aio.stats())
 
     def ping(self) -> float:
-        return self._runner.run(self._aio.ping())
+        return self._runner.run(lambda: self._aio.ping())
 
 
 # help(KVClient) and signature-reading tools show AsyncKVClient's parameters, which **kwargs passes on.
