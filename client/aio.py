@@ -33,7 +33,7 @@ from kvstore.protocol import (
 
 from . import replies, workers
 from .buffers import GetSink, Recycler
-from .connection import NotHome, Response
+from .connection import NotHome, Response, refusal
 from .node import Node, claim_home, forks
 from .shm import GetOutcome, ShmGone
 from .sharding import Ring
@@ -519,8 +519,10 @@ class AsyncKVClient:
         tensor) is an ``InvalidRequest``, as for :meth:`put`.
 
         ``unpin=True`` drops one lease per key (a pinned lookup's) as the server answers; a share
-        cancelled before it reached its server (waiting for a pooled connection) gives its leases
-        back, so a load cancelled by a deadline leaves none.
+        cancelled before it reached its server (waiting for a pooled connection), or that its
+        server refused (too large for a reply, shared-memory pins at their limit) after the cancel,
+        gives its leases back: a load cancelled by a deadline leaves none -- unless it was
+        cancelled before it ever ran (a task cancelled before its first step runs no code).
         """
         views = []
         for i, b in enumerate(_listed(buffers, "buffers")):
@@ -571,7 +573,7 @@ class AsyncKVClient:
             share = _pick(keys, idx)
             # A share that unpins and never left (a cancel while it waited for a pooled connection,
             # a server that could not be reached) gives back the leases it was to drop.
-            unsent = partial(self._give_back, share, node) if unpin else None
+            unsent = _once(partial(self._give_back, share, node)) if unpin else None
             try:
                 if node in unready:
                     if unsent is not None:
@@ -585,14 +587,24 @@ class AsyncKVClient:
                                        make_sink=lambda f: GetSink(f, share, bufs, self._recycler, self.verify))
             except TooLarge as exc:
                 if buffers is not None or len(idx) < 2:  # (with buffers the sizes were known: a block too large)
+                    if unsent is not None:  # (refused: it dropped no lease)
+                        unsent()
                     return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
                 # Blocks of unknown sizes over the server's reply limit (nothing was sent, no lease
                 # dropped): ask for each half.
                 half = len(idx) // 2
-                first, second = await one(node, idx[:half]), await one(node, idx[half:])
+                try:
+                    first = await one(node, idx[:half])
+                except BaseException:  # (a cancel: the second half, never asked, gives its leases back)
+                    if unpin:
+                        self._give_back(_pick(keys, idx[half:]), node)
+                    raise
+                second = await one(node, idx[half:])
                 return GetOutcome(first.out + second.out, first.checksums + second.checksums,
                                   {**first.errors, **{half + j: e for j, e in second.errors.items()}})
             except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
+                if unsent is not None and refusal(exc):  # (refused: it dropped no lease)
+                    unsent()
                 return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
             assert isinstance(resp.sink, GetSink)  # (a reply without payload has one too)
             resp.sink.finish()
@@ -761,6 +773,18 @@ def _the_callers(error: BaseException) -> bool:
             return True
         cause = cause.__cause__
     return False
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, run the first time only: a share's leases are given back once, whichever path finds it."""
+    done = False
+
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+    return once
 
 
 def _pick(items: Sequence[T], idx: Sequence[int]) -> list[T]:

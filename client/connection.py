@@ -22,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
-from kvstore.errors import InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, TransportError, from_code
+from kvstore.errors import (
+    InternalError, InvalidRequest, KVStoreError, ProtocolError, RequestTimeout, ServerError, TransportError, from_code,
+)
 from kvstore.protocol import ErrorReply, Frame, FrameReader, Hello, Limits, Message, NEED_DATA, PayloadDone, PayloadSink, Reply, encode
 from kvstore.sockets import tune
 
@@ -54,6 +56,12 @@ class NotSent(TransportError):
     so it may be sent again whatever it does (a pinned lookup too)."""
 
 
+def refusal(exc: BaseException | None) -> bool:
+    """Whether an error reply means the request did not run: the server refused it as a whole (an
+    internal error may come from half-way through; a lost connection tells nothing)."""
+    return isinstance(exc, ServerError) and not isinstance(exc, InternalError)
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future[Any]
@@ -63,6 +71,8 @@ class _Pending:
     rid: int = 0
     dropped: bool = False  # the caller gave up: the reply (and its payload) is read and dropped
     orphan: Callable[[dict[str, Any]], None] | None = None  # gives back what a dropped reply hands over
+    refused: Callable[[], None] | None = None  # called when a dropped request is refused (it did not run)
+    error: KVStoreError | None = None  # the error reply, once in
     stream_start: int = 0  # the byte offset, in what the connection sends, of this request's frame
     stream_end: int = 0  # ... and just past it
     copied: bool = False  # sent from a copy of its own (a small request, paced), not from the caller's memory
@@ -209,8 +219,11 @@ class ClientConnection(asyncio.BufferedProtocol):
             if frame.payload_len:  # (its bytes would be read as another reply's)
                 raise ProtocolError("error reply with a payload")
             del self.pending[frame.request_id]
+            error = p.error = from_code(msg.code, msg.message)
             if not p.future.done():
-                p.future.set_exception(from_code(msg.code, msg.message))
+                p.future.set_exception(error)
+            elif p.dropped and p.refused is not None and refusal(error):
+                p.refused()
             return
         assert isinstance(msg, Reply)
         p.fields = msg.fields
@@ -258,7 +271,8 @@ class ClientConnection(asyncio.BufferedProtocol):
 
     async def request(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                       make_sink: SinkFactory | None = None, timeout: float | None = None,
-                      orphan: Callable[[dict[str, Any]], None] | None = None) -> Response:
+                      orphan: Callable[[dict[str, Any]], None] | None = None,
+                      refused: Callable[[], None] | None = None) -> Response:
         """Send one request and wait for its reply.
 
         ``timeout`` (seconds) raises :class:`RequestTimeout` and discards the
@@ -270,7 +284,9 @@ class ClientConnection(asyncio.BufferedProtocol):
         is all handed over: its reply, or the rest of it, is then read and
         dropped (no byte more lands in the caller's buffers). ``orphan``: for a reply
         that hands over server-side state (an shm handle), called with the fields of
-        a successful reply nobody takes, to give that state back.
+        a successful reply nobody takes, to give that state back. ``refused``: for a request
+        whose caller was cancelled, called if the server refuses it (it did not run: an unpinning
+        GET refused as too large has dropped no lease).
         """
         p = self._send(msg, payload, payload_len, make_sink)
         fut = p.future
@@ -286,16 +302,21 @@ class ClientConnection(asyncio.BufferedProtocol):
             if fut.done() and not fut.cancelled():  # (answered, or failed, as the cancel came)
                 if orphan is not None and fut.exception() is None:
                     orphan(fut.result().fields)
+                elif refused is not None and refusal(fut.exception()):
+                    refused()
                 _drop_outcome(fut)
             elif self.pending.get(p.rid) is not p:
-                # Its reply came whole between the cancel and now (the caller had not resumed yet).
+                # Its reply came whole between the cancel and now (the caller had not resumed yet;
+                # the cancel had cancelled ``fut``, so the reply is on ``p`` only).
                 if orphan is not None and p.fields is not None:
                     orphan(p.fields)
+                elif refused is not None and refusal(p.error):
+                    refused()
             elif not self.closed and self._handed_over(payload, p, end):
                 if p.fields is not None:  # (its reply's payload is coming in: none of it goes to the caller)
                     self.reader.drop_payload(p.rid)
                 p.dropped, p.make_sink, p.sink = True, None, None  # (nothing of the caller's is kept)
-                p.orphan = orphan  # (once its reply is in)
+                p.orphan, p.refused = orphan, refused  # (once its reply is in)
                 fut.cancel()
                 if timer is not None:  # its deadline still ends the connection if the reply never comes
                     fut.get_loop().call_at(timer.when(), self._dropped_timed_out, p.rid, timeout)

@@ -309,7 +309,8 @@ class Node:
         ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
         ``unsent``: called when the call ends (an error, a cancel) before the request reached a
-        connection, or with its bytes never sent (an unpinning GET: the leases it was to drop).
+        connection, or with its bytes never sent, or when its caller was cancelled and the server
+        then refused it (an unpinning GET: the leases it was to drop).
         """
         c = self.client
         sent = False  # whether the server may have the request
@@ -320,7 +321,7 @@ class Node:
             for attempt in range(attempts):
                 try:
                     conn = await self.connection()  # (a cancel while this waits: nothing sent)
-                    request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout)
+                    request = conn.request(msg, payload, payload_len, make_sink, timeout=c.timeout, refused=unsent)
                     sent = True  # (its first step hands the frame to the connection)
                     resp = await request if orphan is None else await _kept(request, orphan)
                     self.failures = 0

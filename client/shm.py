@@ -370,14 +370,16 @@ class ShmChannel:
     def client(self) -> AsyncKVClient:
         return self.node.client
 
-    async def _request(self, conn: ClientConnection, msg: Message, make_sink: Any = None) -> Response:
+    async def _request(self, conn: ClientConnection, msg: Message, make_sink: Any = None,
+                       refused: Callable[[], None] | None = None) -> Response:
         def give_back(fields: dict[str, Any]) -> None:  # a reply whose caller was cancelled as it came
             handle = fields.get("handle")
             if type(handle) is int and handle:  # an SHM_GET's pins, an SHM_PUT's reserved slots
                 conn.post(ShmRelease(handle=handle), timeout=self.client.timeout)
 
         try:
-            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout, orphan=give_back)
+            return await conn.request(msg, make_sink=make_sink, timeout=self.client.timeout, orphan=give_back,
+                                      refused=refused)
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 
@@ -440,14 +442,14 @@ class ShmChannel:
     async def get(self, keys: list[bytes], buffers: list[memoryview] | None, unpin: bool, verify: bool,
                   unsent: Callable[[], None] | None = None) -> GetOutcome:
         """Blocks of ``keys`` (one server's share): copied out of the arena, verified, pins released."""
-        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify), retry=not unpin,
-                                     unsent=unsent)
+        return await self._with_conn(lambda ch, conn: ch._get(conn, keys, buffers, unpin, verify, unsent),
+                                     retry=not unpin, unsent=unsent)
 
     async def _get(self, conn: ClientConnection, keys: list[bytes], buffers: list[memoryview] | None,
-                   unpin: bool, verify: bool) -> GetOutcome:
+                   unpin: bool, verify: bool, refused: Callable[[], None] | None = None) -> GetOutcome:
         outcome = GetOutcome([None] * len(keys), [0] * len(keys))
         resp = await self._request(conn, ShmGet(keys=keys, unpin=unpin),
-                                   make_sink=lambda f: _InlineSink(f, keys, buffers, outcome))
+                                   make_sink=lambda f: _InlineSink(f, keys, buffers, outcome), refused=refused)
         fields = resp.fields
         sizes, sums, locs, handle = (fields.get(k) for k in ("sizes", "checksums", "locs", "handle"))
         try:

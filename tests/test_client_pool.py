@@ -5,6 +5,7 @@ listening socket) on loopback; a server "stops answering" by SIGSTOP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -578,6 +579,47 @@ async def test_an_unpinning_get_cancelled_before_it_was_sent_gives_back_its_leas
         assert await _leases([srv]) == [0]
     finally:
         await kv.close()
+
+
+@pytest.mark.parametrize("refusal", ["too large", "shared-memory pins at their limit"])
+async def test_an_unpinning_get_cancelled_then_refused_gives_back_its_leases(
+        make_server: MakeServer, unix_path: str, refusal: str) -> None:
+    """(fix review) A server refuses a whole GET before it drops any lease: too large for one reply
+    (the client then asks for halves), or, same host, its shared-memory read pins at their limit
+    (the client then reads over the socket). Cancelled before that refusal came, or between the
+    halves, the get left its leases pinned for their time."""
+    from kvstore.protocol import ShmGet
+
+    shm = refusal != "too large"
+    srv = make_server("--capacity", "32MiB", "--max-frame-size", "1MiB", "--unix", unix_path)
+    addr = f"unix:{unix_path}" if shm else srv.addr
+    keys = [key(i, "refused-unpin") for i in range(4)]
+    async with AsyncKVClient(srv.addr, namespace="p") as other:
+        await other.put(keys, [bytes([i]) * (400 << 10) for i in range(4)])  # 1.6 MiB: over one reply
+        hog = AsyncKVClient(addr, namespace="p")
+        try:
+            if shm:  # another reader holds every shared-memory read pin (65,536)
+                conn = await hog.nodes[0].connection()
+                for _ in range(4):
+                    await conn.request(ShmGet(keys=[keys[0]] * 16384, unpin=False))
+            for turns in (1, 2, 4, 8, 16, 32):
+                for _ in range(2):  # two leases per key: the load's and another reader's
+                    assert await other.lookup(keys, pin=True, lease_ms=600_000) == 4
+                kv = AsyncKVClient(addr, namespace="p", split_bytes=0)
+                try:
+                    await kv.ping()  # (connected: its limits known)
+                    load = asyncio.ensure_future(kv.get(keys, unpin=True))
+                    for _ in range(turns):
+                        await asyncio.sleep(0)
+                    load.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await load
+                    assert await _leases_settle([srv], 4) == [4], turns  # (8: none dropped; 6: a half's kept)
+                    assert await other.unpin(keys) == 4
+                finally:
+                    await kv.close()
+        finally:
+            await hog.close()
 
 
 @pytest.mark.parametrize("retries", [0, 2])
