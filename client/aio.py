@@ -498,7 +498,7 @@ class AsyncKVClient:
         await asyncio.gather(*(drop(node, keys) for node, keys in leases if keys), return_exceptions=True)
 
     async def get(self, keys: Sequence[bytes], *, unpin: bool = False) -> list[bytearray | None]:
-        """The blocks, in key order; ``None`` where a key is missing.
+        """The blocks, in key order; ``None`` where a key is missing. ``unpin``: as for :meth:`get_into`.
 
         Raises:
             IntegrityError (a block failed its checksum), TransportError (a server could not

@@ -69,20 +69,19 @@ class _LoopThread:
             raise TransportError("a KVClient call cannot wait here: " + (
                 "the interpreter is shutting down" if sys.is_finalizing() else
                 "this is the clients' own event-loop thread (a __del__ the garbage collector ran there?)"))
-        call = _Call(make)
+        call = _Call(make, orphan)
         try:
             self.loop.call_soon_threadsafe(call.start)
             call.wait()
             return call.result()
         except BaseException:
             # E.g. KeyboardInterrupt: cancel the request (its reply is dropped), and wait until the
-            # call has ended, so that no reply lands in the caller's buffers after we raise.
+            # call has ended, so that no reply lands in the caller's buffers after we raise. The
+            # loop thread hands a result nobody takes to ``orphan`` (a second interrupt may cut
+            # this block short: nothing after its first line is needed for that).
+            self.loop.call_soon_threadsafe(call.abandon)
             if call.outcome is None:  # (else the call had ended: its own exception, nothing in flight)
                 call.wait_out(self.loop)
-            # (an interrupt is let in once the loop thread lets go of the GIL: mostly after the
-            # reply was handled, so that the call had succeeded, and what it handed over is dropped)
-            if orphan is not None and call.outcome is not None and call.outcome[0] == "result":
-                self.loop.call_soon_threadsafe(orphan, call.outcome[1])
             raise
 
 
@@ -103,8 +102,10 @@ class _Call:
     thread, and every KVClient of the process, hung).
     """
 
-    def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]], orphan: Callable[[Any], None] | None = None) -> None:
         self.make = make
+        self.orphan = orphan  # takes the result of a call its caller abandoned (once)
+        self.abandoned = False
         self.task: asyncio.Task[Any] | None = None
         #: ("result", value), ("error", exception) or ("cancelled", None), once the call has ended.
         self.outcome: tuple[str, Any] | None = None
@@ -133,12 +134,24 @@ class _Call:
         if self.outcome is None:
             self.outcome = outcome  # (before the release: a caller woken finds it set)
             self._ended.release()
+            self._orphaned()
+
+    def _orphaned(self) -> None:
+        """On the loop: hand the result of a call its caller abandoned to ``orphan``, once. (An
+        interrupt is let in once the loop thread lets go of the GIL: mostly after the reply was
+        handled, so that the call had succeeded, and what it handed over would be dropped.)"""
+        if self.abandoned and self.orphan is not None and self.outcome is not None and self.outcome[0] == "result":
+            orphan, self.orphan = self.orphan, None
+            orphan(self.outcome[1])
 
     def abandon(self) -> None:
+        self.abandoned = True
         if self.task is None:  # start has not run: it never will run the call
             self._end(("cancelled", None))
         elif not self.task.done():
             self.task.cancel()
+        else:  # (it had ended as the caller gave up)
+            self._orphaned()
 
     def wait(self, timeout: float = -1) -> bool:
         """Wait until the call has ended (an interrupt may raise here); whether it has."""

@@ -589,6 +589,40 @@ def test_blocking_calls_interrupted_at_random_never_hang_the_loop_thread(make_se
     assert "never awaited" not in done.stderr  # (a coroutine made before an interrupt, then dropped)
 
 
+def test_a_result_nobody_takes_goes_to_the_orphan_even_if_the_clean_up_is_interrupted_too() -> None:
+    """(second fix review) Only the caller's clean-up, after it had waited the call out, handed a
+    result to the orphan: a second interrupt during that wait skipped it, and a pinned lookup's
+    leases stayed. The loop thread hands it over now, as the abandoned call ends."""
+    from kvstore.client.sync import _LoopThread
+
+    runner, orphaned, interrupts = _LoopThread.get(), [], []
+
+    async def call() -> int:
+        time.sleep(0.4)  # (the loop thread busy: the caller's wait is interrupted, then its clean-up)
+        return 7
+
+    def handler(signum: int, frame: Any) -> None:
+        if frame is not None and frame.f_code.co_filename == __file__:
+            return  # (back in this test: nothing of the client's to interrupt)
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.05)  # every 50 ms from 0.1 s on
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(call, orphan=orphaned.append)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(interrupts) >= 2  # (the wait, and the clean-up's wait-out)
+    for _ in range(50):
+        if orphaned:
+            break
+        time.sleep(0.02)
+    assert orphaned == [7]
+
+
 def test_a_blocking_pinned_lookup_interrupted_leaves_no_leases(make_server: MakeServer) -> None:
     """(sync client review) A KVClient.lookup(pin=True) interrupted by a signal handler that raises left
     its leases whenever its reply had come in (about half the interrupts), pinned for their time."""
