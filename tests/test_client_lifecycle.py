@@ -514,26 +514,36 @@ def test_an_interrupted_blocking_call_has_ended_when_it_raises() -> None:
     assert buf == bytearray(4)
 
 
-def test_a_call_that_succeeded_as_its_caller_was_interrupted_hands_its_result_to_the_orphan() -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["interrupted once", "clean-up interrupted too"])
+def test_a_call_that_succeeded_as_its_caller_was_interrupted_hands_its_result_to_the_orphan(again: bool) -> None:
     """(sync client review) The interrupt comes in once the loop thread lets go of the GIL, mostly after
     the reply was handled: the call had succeeded, and what it handed over (a pinned lookup's leases)
-    was dropped with its result."""
+    was dropped with its result. (Second fix review) Only the caller's clean-up, after it had waited
+    the call out, handed the result over: a second interrupt during that wait skipped it. The loop
+    thread hands it over now, as the abandoned call ends."""
     from kvstore.client.sync import _LoopThread
 
-    runner, orphaned = _LoopThread.get(), []
+    runner, orphaned, interrupts = _LoopThread.get(), [], []
 
     async def call() -> int:
-        time.sleep(0.4)  # (the loop thread busy, the GIL let go: the interrupt comes in meanwhile)
+        time.sleep(0.4)  # (the loop thread busy, the GIL let go: the caller's wait is interrupted meanwhile)
         return 7
 
-    signal.setitimer(signal.ITIMER_REAL, 0.1)
-    old = signal.signal(signal.SIGALRM, signal.default_int_handler)  # a Ctrl-C, in effect
+    def handler(signum: int, frame: Any) -> None:
+        if not _in_client(frame):
+            return  # (back in this test, or in the interpreter's own callbacks: nothing of the client's)
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.05 if again else 0)  # (again: every 50 ms from 0.1 s on)
     try:
         with pytest.raises(KeyboardInterrupt):
             runner.run(call, orphan=orphaned.append)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+    assert len(interrupts) >= (2 if again else 1)  # (the wait, and the clean-up's wait-out)
     for _ in range(50):
         if orphaned:
             break
@@ -595,40 +605,6 @@ def test_blocking_calls_interrupted_at_random_never_hang_the_loop_thread(make_se
     assert set(seen) <= {"answered", "Interrupt"} and seen.get("Interrupt"), seen
     assert found == "[True, True, True, True]"  # (the client still answers)
     assert "never awaited" not in done.stderr  # (a coroutine made before an interrupt, then dropped)
-
-
-def test_a_result_nobody_takes_goes_to_the_orphan_even_if_the_clean_up_is_interrupted_too() -> None:
-    """(second fix review) Only the caller's clean-up, after it had waited the call out, handed a
-    result to the orphan: a second interrupt during that wait skipped it, and a pinned lookup's
-    leases stayed. The loop thread hands it over now, as the abandoned call ends."""
-    from kvstore.client.sync import _LoopThread
-
-    runner, orphaned, interrupts = _LoopThread.get(), [], []
-
-    async def call() -> int:
-        time.sleep(0.4)  # (the loop thread busy: the caller's wait is interrupted, then its clean-up)
-        return 7
-
-    def handler(signum: int, frame: Any) -> None:
-        if not _in_client(frame):
-            return  # (back in this test, or in the interpreter's own callbacks: nothing of the client's)
-        interrupts.append(signum)
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.05)  # every 50 ms from 0.1 s on
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            runner.run(call, orphan=orphaned.append)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    assert len(interrupts) >= 2  # (the wait, and the clean-up's wait-out)
-    for _ in range(50):
-        if orphaned:
-            break
-        time.sleep(0.02)
-    assert orphaned == [7]
 
 
 def test_a_blocking_pinned_lookup_interrupted_leaves_no_leases(make_server: MakeServer) -> None:
