@@ -193,7 +193,7 @@ class Server:
         #: Connections yet to authenticate (with a token file) -> when they came, oldest first: see
         #: ``_crowd_out_one``.
         self.waiting_for_hello: dict[Connection, float] | None = {} if self.service.auth is not None else None
-        self._crowd_logged = 0.0
+        self._crowd_logged = -math.inf
         self._handshaking: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._handshake_logged = -math.inf
         self._servers: list[asyncio.AbstractServer] = []

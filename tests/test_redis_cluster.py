@@ -104,6 +104,7 @@ async def test_a_master_down_and_back(redis_cluster: RedisClusterProcesses, make
         await eventually(caught_up, 20, "the cluster to recover and the queue to drain")
     assert holders(redis_cluster, "md", keys[5:]) == [1] * 15
     for srv in (wt, wb):
+        srv.wait_log("redis tier recovered")  # (a thread reads the server's log)
         assert sum("redis tier degraded" in line for line in srv.log) == 1
         assert sum("redis tier recovered" in line for line in srv.log) == 1
 
