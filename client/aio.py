@@ -586,12 +586,13 @@ class AsyncKVClient:
                 resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin, unsent=unsent,
                                        make_sink=lambda f: GetSink(f, share, bufs, self._recycler, self.verify))
             except TooLarge as exc:
-                if buffers is not None or len(idx) < 2:  # (with buffers the sizes were known: a block too large)
+                if len(idx) < 2:  # (a block over the reply limit, or larger than its buffer)
                     if unsent is not None:  # (refused: it dropped no lease)
                         unsent()
                     return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
-                # Blocks of unknown sizes over the server's reply limit (nothing was sent, no lease
-                # dropped): ask for each half.
+                # A reply too large for one frame (blocks of unknown sizes; with buffers, a block
+                # larger than its buffer) or, through the arena, blocks in too many runs to locate
+                # in one reply: nothing was sent, no lease dropped; ask for each half.
                 half = len(idx) // 2
                 try:
                     first = await one(node, idx[:half])

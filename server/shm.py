@@ -71,6 +71,23 @@ MIN_PINS = 1 << 16
 
 Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
 
+#: Arena runs one SHM_GET or SHM_PUT reply may locate. A run takes at most 15 bytes of msgpack,
+#: so 200,000 of them stay well inside the 4 MiB a client reads of a reply's meta, beside the
+#: sizes and checksums of 16,384 keys. Blocks scattered over many runs (an old arena with small
+#: pages) would otherwise make a big batch's reply one the client refuses (a ProtocolError that
+#: costs it the connection); over this, a batch of several keys is refused as TooLarge and the
+#: client asks for (or reserves) each half.
+MAX_REPLY_RUNS = 200_000
+
+
+def _check_runs(extents: list[Extent], n_keys: int) -> None:
+    """Raise TooLarge when a reply would locate more than MAX_REPLY_RUNS runs (never for one key:
+    a single block's runs always fit)."""
+    runs = sum(map(len, extents))
+    if runs > MAX_REPLY_RUNS and n_keys > 1:
+        raise TooLarge(f"the {n_keys} blocks lie in {runs} separate runs of the arena, more than one reply "
+                       f"may locate ({MAX_REPLY_RUNS}): ask for fewer keys at once")
+
 
 def extent_locs(extent: Extent, size: int, page_size: int) -> Loc:
     """Where the first ``size`` bytes of ``extent`` lie in the arena, one pair per run (msgpack-ready)."""
@@ -243,6 +260,11 @@ class ShmService:
         self.counters["gets"] += 1
         missing = [i for i, r in enumerate(refs) if r is None]
         if self.tier is None or not missing:
+            try:
+                _check_runs([r.extent for r in refs if r is not None], len(msg.keys))
+            except TooLarge:  # (before any lease is dropped: the client asks again in halves)
+                self._release_refs(self._settle(budget, refs))
+                raise
             if msg.unpin:
                 self.store.unpin(ns, msg.keys)
             return self._grant(st, refs, {}, budget)
@@ -281,6 +303,7 @@ class ShmService:
             inline_bytes = sum(len(data) for data, _ in inline.values())
             if inline_bytes > self.service.max_reply:
                 raise TooLarge(over_reply_limit(inline_bytes, len(inline), self.service.max_reply))
+            _check_runs([r.extent for r in refs if r is not None], len(keys))
         except BaseException:  # (TooLarge, or cancelled: the pins go with it)
             held = self._settle(budget, refs)
             self._release_refs(held)
@@ -358,6 +381,11 @@ class ShmService:
             res = sink.reserve(i)  # the client writes the pages itself: no views needed
             locs.append(None if res is None else extent_locs(res.extent, size, page_size))
         self.counters["puts"] += 1
+        try:
+            _check_runs([r.extent for r in sink.reservations if r is not None], len(msg.keys))
+        except TooLarge:
+            sink.abort()
+            raise
         if any(r is not None for r in sink.reservations):
             grant = _PutGrant(sink, time.monotonic() + self.config.lease_cap())
             self.put_keys += len(msg.keys)
