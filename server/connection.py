@@ -16,6 +16,7 @@ import dataclasses
 import fcntl
 import inspect
 import logging
+import math
 import socket
 import struct
 import termios
@@ -544,7 +545,7 @@ class RejectedConnection(asyncio.Protocol):
     through), so a flood of them costs a socket each, briefly.
     """
 
-    _last_log = 0.0  # rate-limits the warning: a flood must not flood the log too
+    _last_log = -math.inf  # rate-limits the warning: a flood must not flood the log too
 
     def __init__(self, limit: int, counters: Counters) -> None:
         self.limit = limit
