@@ -540,7 +540,8 @@ class ShmChannel:
             if len(keys) < 2:
                 raise
         half = len(keys) // 2
-        return await self.put(keys[:half], views[:half], parent) + await self.put(keys[half:], views[half:], keys[half - 1])
+        first = await self.put(keys[:half], views[:half], parent)
+        return first + await self.put(keys[half:], views[half:], keys[half - 1])
 
     async def _put(self, conn: ClientConnection, keys: list[bytes], views: list[memoryview],
                    parent: bytes | None) -> list[tuple[int, str | None]]:
