@@ -12,19 +12,33 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.errors import BlockSizeError, ProtocolError
+from kvstore.messages import EXISTED, STORED
 
 UINT64_MAX = 2**64 - 1
 
 
 def statuses(fields: dict[str, Any], n: int, what: str) -> list[tuple[int, str | None]]:
-    """A PUT-style reply's ``(status code, error message or None)`` per key."""
+    """A PUT-style reply's ``(status code, error message or None)`` per key.
+
+    A failed key whose message the server left out (it bounds their bytes in one reply) gets
+    the last message sent for the same status before it.
+    """
     status, errors = fields.get("status"), fields.get("errors")
     errors = {} if errors is None else errors
     if (not isinstance(status, list) or len(status) != n or any(type(s) is not int for s in status)
             or not isinstance(errors, dict)
             or not all(isinstance(k, str) and isinstance(m, str) for k, m in errors.items())):
         raise ProtocolError(f"malformed {what} reply")
-    return [(s, errors.get(str(j))) for j, s in enumerate(status)]
+    out: list[tuple[int, str | None]] = []
+    last: dict[int, str] = {}
+    for j, s in enumerate(status):
+        message = errors.get(str(j))
+        if message is not None:
+            last[s] = message
+        elif s not in (STORED, EXISTED):
+            message = last.get(s)
+        out.append((s, message))
+    return out
 
 
 def block_sizes(sizes: Any, n: int, what: str) -> list[int]:

@@ -46,6 +46,12 @@ Fields = dict[str, Any]
 MaybeAsync = Union[Fields, Awaitable[Fields]]
 #: (namespace, key) -> the outcome of the tier write of a block already in memory: None, or its error.
 TierWrites = dict[tuple[str, bytes], "asyncio.Future[Unavailable | None]"]
+#: Bytes of per-key error messages one PUT-style reply carries (16,384 keys refused with a
+#: 350-byte CapacityError each were 5.7 MiB of meta, over the 4 MiB a client reads: a
+#: ProtocolError, and the outcome of every key lost). Past it a key's message is left out; the
+#: client repeats the last one it got for the same status.
+ERROR_TEXT_BUDGET = 256 << 10
+
 #: Write-behind: checks in the tier of blocks put again (see ``PutSink.commit``) running at once;
 #: past it a put's check is skipped (the next put of those blocks checks them).
 MAX_TIER_CHECKS = 8
@@ -413,7 +419,13 @@ class PutSink:
         """The per-key statuses (and error messages) as they stand."""
         fields: Fields = {"status": self.status}
         if self.errors:
-            fields["errors"] = {str(i): m for i, m in self.errors.items()}
+            texts, left = {}, ERROR_TEXT_BUDGET
+            for i in sorted(self.errors):  # (key order: a key without one takes an earlier key's)
+                left -= len(self.errors[i])
+                if left < 0:
+                    break
+                texts[str(i)] = self.errors[i]
+            fields["errors"] = texts
         return fields
 
     def abort(self) -> None:

@@ -130,6 +130,27 @@ def test_a_reply_locating_the_most_runs_allowed_fits_the_meta_a_client_reads() -
     assert len(head) - 20 <= DEFAULT_LIMITS.max_meta
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_put_refused_for_every_key_of_a_full_batch_is_answered_with_every_error(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """(review) 16,384 keys refused with the store's 341-byte CapacityError made a reply of 5.7 MiB
+    of meta, over the 4 MiB a client reads: a ProtocolError instead of the outcome of each key.
+    The server bounds the error texts of one reply; a key left without one takes the last one
+    sent for its status."""
+    srv = make_server("--capacity", "4MiB", "--page-size", "4KiB", "--unix", unix_path)
+    async with AsyncKVClient(unix(unix_path) if transport == "shm" else srv.addr, namespace="e") as kv:
+        assert (kv.nodes[0].shm is not None) == (transport == "shm")
+        fill = [key(i, "fill") for i in range(1024)]
+        assert (await kv.put(fill, [b"f" * 4096] * 1024)).stored == 1024  # full of one reachable chain
+        keys = [key(i, "new") for i in range(16384)]
+        with pytest.raises(CapacityError) as info:  # (their parent is not stored: they may not evict it)
+            await kv.put(keys, [b"n" * 4096] * 16384, parent=key(0, "missing-parent"))
+        errors = info.value.errors  # type: ignore[attr-defined]
+        assert sorted(errors) == list(range(16384))
+        assert len({str(e) for e in errors.values()}) == 1 and "no room for a block of 4.0 KiB" in str(errors[16383])
+        assert await kv.exists(keys[:1] + fill[:1]) == [False, True]  # (the same connection: not lost)
+
+
 async def test_blocks_in_more_runs_than_a_reply_may_locate_are_put_and_read_in_parts(
         unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """(item left open) In a fragmented arena (small pages, every other one taken) a block lies in
