@@ -9,7 +9,6 @@ pipelined connections (:mod:`.node`); replies land in :mod:`.buffers`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import ssl
@@ -334,21 +333,32 @@ class AsyncKVClient:
             return outcome
 
         async def put_part(node: Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
-                           before: bytes | None) -> list[tuple[int, str | None]]:
+                           before: bytes | None) -> list[tuple[int, str | None] | KVStoreError]:
             nbytes = sum(sizes)
             too_large = len(sizes) == 1 and nbytes > node.max_payload  # (batches() gives such a block a run of its own)
             # same host: copied into the arena, checksummed on the way (small puts: ShmChannel.inline_put_bytes)
             if node.shm is not None and nbytes >= node.shm.inline_put_bytes and not too_large:
-                # (restarted without shm, or its puts waiting for a commit at their limit: the socket carries it)
-                with contextlib.suppress(ShmGone, CapacityError):
-                    return await node.shm.put(part_keys, blocks, before)
+                try:
+                    return list(await node.shm.put(part_keys, blocks, before))
+                except (ShmGone, CapacityError):
+                    pass  # (restarted without shm, or its puts waiting for a commit at their limit: the socket)
+                except TooLarge:  # slots in more arena runs than one reply may locate
+                    if len(part_keys) > 1:  # in halves, the second continuing the first's chain
+                        half = len(part_keys) // 2
+                        first = await put_part(node, part_keys[:half], blocks[:half], sizes[:half], before)
+                        try:
+                            return first + await put_part(node, part_keys[half:], blocks[half:], sizes[half:],
+                                                          part_keys[half - 1])
+                        except KVStoreError as exc:  # (what the first half stored still counts)
+                            return first + [exc] * (len(part_keys) - half)
+                    # (one block: the socket carries it)
             if too_large:  # (the server would drop the connection on its frame, and refuses it through the
                 # arena too: no reader over a socket could get it back) -- said here, for this key only
                 return [(TooLarge.code, f"a block of {nbytes} bytes is over the {node.max_payload} bytes "
                                         f"one request to {node.addr} may carry (its --max-frame-size)")]
             msg = Put(keys=part_keys, sizes=sizes, checksums=checksums(blocks), parent=before)
             resp = await node.call(msg, blocks, nbytes)
-            return replies.statuses(resp.fields, len(part_keys), "PUT")
+            return list(replies.statuses(resp.fields, len(part_keys), "PUT"))
 
         statuses: list[str] = [""] * len(keys)
         errors: dict[int, KVStoreError] = {}
@@ -580,9 +590,13 @@ class AsyncKVClient:
                         unsent()
                     raise unready[node]
                 if node.shm is not None:  # same host: copied out of the arena, verified on the way
-                    # (restarted without shm, or its shared-memory read pins at their limit: the socket carries it)
-                    with contextlib.suppress(ShmGone, CapacityError):
+                    try:
                         return await node.shm.get(share, bufs, unpin, self.verify, unsent)
+                    except (ShmGone, CapacityError):
+                        pass  # (restarted without shm, or its shared-memory read pins at their limit: the socket)
+                    except TooLarge:  # (refused: no lease dropped) in halves, below; one block over the socket
+                        if len(idx) > 1:  # (in more arena runs than a reply may locate, or inline over the limit)
+                            raise
                 resp = await node.call(Get(keys=share, unpin=unpin), idempotent=not unpin, unsent=unsent,
                                        make_sink=lambda f: GetSink(f, share, bufs, self._recycler, self.verify))
             except TooLarge as exc:
@@ -591,8 +605,8 @@ class AsyncKVClient:
                         unsent()
                     return GetOutcome([None] * len(idx), [0] * len(idx), dict.fromkeys(range(len(idx)), exc))
                 # A reply too large for one frame (blocks of unknown sizes; with buffers, a block
-                # larger than its buffer) or, through the arena, blocks in too many runs to locate
-                # in one reply: nothing was sent, no lease dropped; ask for each half.
+                # larger than its buffer) or, through the arena, blocks in more runs than one reply
+                # may locate: nothing was sent, no lease dropped; ask for each half.
                 half = len(idx) // 2
                 try:
                     first = await one(node, idx[:half])

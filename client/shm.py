@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
 import xxhash
 
 from kvstore.errors import (
-    IntegrityError, KVStoreError, NotFound, ProtocolError, RequestTimeout, TooLarge, TransportError, Unavailable,
-    from_code,
+    IntegrityError, KVStoreError, NotFound, ProtocolError, RequestTimeout, TransportError, Unavailable, from_code,
 )
 from kvstore.protocol import (
     ErrorReply, Frame, FrameReader, Hello, Message, Reply, ShmAttach, ShmCommit, ShmGet, ShmPut,
@@ -529,19 +528,8 @@ class ShmChannel:
     # -- put
     async def put(self, keys: list[bytes], views: list[memoryview],
                   parent: bytes | None = None) -> list[tuple[int, str | None]]:
-        """Reserve, copy in (checksumming the source on the way), commit: ``(status, message)`` per key.
-
-        A batch whose slots the server cannot locate in one reply (TooLarge: a fragmented arena)
-        is put in halves, the second continuing the first's chain.
-        """
-        try:
-            return await self._with_conn(lambda ch, conn: ch._put(conn, keys, views, parent))
-        except TooLarge:
-            if len(keys) < 2:
-                raise
-        half = len(keys) // 2
-        first = await self.put(keys[:half], views[:half], parent)
-        return first + await self.put(keys[half:], views[half:], keys[half - 1])
+        """Reserve, copy in (checksumming the source on the way), commit: ``(status, message)`` per key."""
+        return await self._with_conn(lambda ch, conn: ch._put(conn, keys, views, parent))
 
     async def _put(self, conn: ClientConnection, keys: list[bytes], views: list[memoryview],
                    parent: bytes | None) -> list[tuple[int, str | None]]:

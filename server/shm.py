@@ -72,21 +72,20 @@ MIN_PINS = 1 << 16
 Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
 
 #: Arena runs one SHM_GET or SHM_PUT reply may locate. A run takes at most 15 bytes of msgpack,
-#: so 200,000 of them stay well inside the 4 MiB a client reads of a reply's meta, beside the
-#: sizes and checksums of 16,384 keys. Blocks scattered over many runs (an old arena with small
-#: pages) would otherwise make a big batch's reply one the client refuses (a ProtocolError that
-#: costs it the connection); over this, a batch of several keys is refused as TooLarge and the
-#: client asks for (or reserves) each half.
+#: so 200,000 of them stay inside the 4 MiB a client reads of a reply's meta, beside the sizes,
+#: checksums, statuses and error texts of 16,384 keys. Blocks scattered over many runs (an old
+#: arena of small pages; a 2 GiB block in 4 KiB pages may lie in 524,288) would otherwise make a
+#: reply the client refuses (a ProtocolError that costs it the connection). Over this a request
+#: is refused as TooLarge: the client asks for (or puts) each half, a single block over the socket.
 MAX_REPLY_RUNS = 200_000
 
 
 def _check_runs(extents: list[Extent], n_keys: int) -> None:
-    """Raise TooLarge when a reply would locate more than MAX_REPLY_RUNS runs (never for one key:
-    a single block's runs always fit)."""
+    """Raise TooLarge when a reply would locate more than MAX_REPLY_RUNS runs."""
     runs = sum(map(len, extents))
-    if runs > MAX_REPLY_RUNS and n_keys > 1:
-        raise TooLarge(f"the {n_keys} blocks lie in {runs} separate runs of the arena, more than one reply "
-                       f"may locate ({MAX_REPLY_RUNS}): ask for fewer keys at once")
+    if runs > MAX_REPLY_RUNS:
+        raise TooLarge(f"the {n_keys} block(s) lie in {runs} separate runs of the arena, more than one reply "
+                       f"may locate ({MAX_REPLY_RUNS}): ask for fewer at once, or one over the socket")
 
 
 def extent_locs(extent: Extent, size: int, page_size: int) -> Loc:

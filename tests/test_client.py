@@ -18,7 +18,7 @@ import pytest
 
 from kvstore.bench.common import make_keys
 from kvstore.client import AsyncKVClient, KVClient
-from kvstore.errors import BlockSizeError, InvalidRequest, RequestTimeout, TooLarge, TransportError
+from kvstore.errors import BlockSizeError, InvalidRequest, RequestTimeout, TransportError
 from kvstore.protocol import Ping, Unpin
 from kvstore.server.process import ServerProcess
 
@@ -129,16 +129,14 @@ async def test_bytes_like_keys_are_sent_as_bytes_and_bad_keys_are_refused_before
 
 
 async def test_a_read_over_two_servers_returns_only_once_every_part_has_settled() -> None:
-    """One server refuses its share at once (a batch over its limit); the other is stopped. The
-    call must not raise until the stopped server's part has landed: it writes into the buffers."""
-    with ServerProcess("--capacity", "16MiB") as slow, ServerProcess("--capacity", "16MiB", "--max-batch", "1") as fast:
+    """One server's share fails at once (its blocks do not fit their buffers); the other is stopped.
+    The call must not raise until the stopped server's part has landed: it writes into the buffers."""
+    with ServerProcess("--capacity", "16MiB") as slow, ServerProcess("--capacity", "16MiB") as fast:
         async with AsyncKVClient([slow.addr, fast.addr], namespace="t") as kv:
             on = {addr: [k for k in make_keys("both", 40) if kv.ring.nodes[kv.ring.node_of(k)] == addr]
                   for addr in (slow.addr, fast.addr)}
             keys = on[slow.addr][:3] + on[fast.addr][:3]
-            await kv.put(keys[:3], [b"\x01" * 1000] * 3)
-            for node in kv.nodes:  # as if the server did not announce its limits: the batch goes out whole
-                node.max_batch = kv.limits.max_batch
+            await kv.put(keys, [b"\x01" * 1000] * 3 + [b"\x02" * 2000] * 3)
             bufs = [bytearray(1000) for _ in keys]
             assert slow.proc is not None
             os.kill(slow.proc.pid, signal.SIGSTOP)
@@ -148,9 +146,27 @@ async def test_a_read_over_two_servers_returns_only_once_every_part_has_settled(
                 assert not call.done()  # (it raised here, and the stopped server's reply landed later)
             finally:
                 os.kill(slow.proc.pid, signal.SIGCONT)
-            with pytest.raises(TooLarge):
+            with pytest.raises(BlockSizeError):
                 await call
             assert bufs[:3] == [b"\x01" * 1000] * 3  # landed before the call raised
+
+
+async def test_a_block_larger_than_its_buffer_fails_alone_when_the_reply_is_over_the_limit() -> None:
+    """Blocks sized for their buffers fit one reply, but one stored block is larger than its
+    buffer and the blocks found add up to more than the server's --max-frame-size: refused
+    whole (TooLarge), the share failed every key. Asked in halves, only that key fails."""
+    with ServerProcess("--capacity", "16MiB", "--max-frame-size", "1MiB") as srv:
+        async with AsyncKVClient(srv.addr, namespace="t") as kv:
+            keys = make_keys("over", 8)
+            blocks = [bytes([i]) * (900_000 if i == 5 else 100_000) for i in range(8)]
+            await kv.put(keys, blocks)
+            assert await kv.lookup(keys, pin=True) == 8
+            bufs = [bytearray(100_000) for _ in keys]  # 800,000 bytes asked: one request
+            with pytest.raises(BlockSizeError) as info:
+                await kv.get_into(keys, bufs, unpin=True)
+            assert list(info.value.errors) == [5]  # type: ignore[attr-defined]
+            assert [bytes(b) for i, b in enumerate(bufs) if i != 5] == [b for i, b in enumerate(blocks) if i != 5]
+            assert (await kv.stats())["store"]["pinned_blocks"] == 0  # (each lease dropped by the half that read it)
 
 
 async def test_requests_that_must_not_run_twice_are_not_retried() -> None:

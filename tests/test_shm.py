@@ -4,6 +4,7 @@ a client SIGKILLed mid-put, who may map the arena, and the fallbacks to the sock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -15,7 +16,7 @@ import textwrap
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 import xxhash
@@ -151,14 +152,11 @@ async def test_a_put_refused_for_every_key_of_a_full_batch_is_answered_with_ever
         assert await kv.exists(keys[:1] + fill[:1]) == [False, True]  # (the same connection: not lost)
 
 
-async def test_blocks_in_more_runs_than_a_reply_may_locate_are_put_and_read_in_parts(
-        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """(item left open) In a fragmented arena (small pages, every other one taken) a block lies in
-    one run per page, and a big batch's SHM_GET or SHM_PUT reply could locate more runs than the
-    4 MiB the client reads of a reply's meta: a ProtocolError, and the connection lost. Over
-    MAX_REPLY_RUNS (lowered here, on a server in this process: the real bound needs GiBs of
-    blocks) a batch is refused as TooLarge, reservations given back and no lease dropped; the
-    client puts, or asks for, each half (a put's second half continuing the first's chain)."""
+@contextlib.asynccontextmanager
+async def fragmented(unix_path: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AsyncKVClient]:
+    """A client of a server (in this process) whose MAX_REPLY_RUNS is lowered to 100 (the real bound
+    needs GiBs of blocks) and whose arena of 4 KiB pages has 512 free one-page runs: a block put
+    next lies in one run per page."""
     from kvstore.server import shm as server_shm
     from test_integrity import ThreadedServer
 
@@ -172,24 +170,79 @@ async def test_blocks_in_more_runs_than_a_reply_may_locate_are_put_and_read_in_p
         async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1) as kv:
             ones = [key(i, "one-page") for i in range(1024)]
             assert (await kv.put(ones, [b"p" * 4096] * 1024)).stored == 1024  # (in parts, too: one run each)
-            assert await kv.delete(ones[::2]) == 512  # 512 free one-page runs
-            keys = [key(i, "scattered") for i in range(8)]
-            blocks = [data(k, 16 * 4096) for k in keys]  # 16 runs each: 128 in all, 64 a half
-            before = await kv.stats()
-            assert (await kv.put(keys, blocks)).stored == 8
-            after = await kv.stats()
-            assert await kv.lookup(keys) == 8  # one chain
-            assert [bytes(b) for b in await kv.get(keys)] == blocks
-            assert await kv.lookup(keys, pin=True) == 8 and await kv.lookup(keys, pin=True) == 8
-            bufs = [bytearray(len(b)) for b in blocks]
-            assert await kv.get_into(keys, bufs, unpin=True) == [True] * 8 and bufs == blocks
-            end = await kv.stats()
-            assert await kv.unpin(keys) == 8  # (the second lease of each: the get dropped one)
+            assert await kv.delete(ones[::2]) == 512
+            yield kv
+
+
+async def test_blocks_in_more_runs_than_a_reply_may_locate_are_put_and_read_in_parts(
+        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(item left open) In a fragmented arena (small pages, every other one taken) a block lies in
+    one run per page, and a big batch's SHM_GET or SHM_PUT reply could locate more runs than the
+    4 MiB the client reads of a reply's meta: a ProtocolError, and the connection lost. Over
+    MAX_REPLY_RUNS a batch is refused as TooLarge, reservations given back and no lease dropped;
+    the client puts, or asks for, each half (a put's second half continuing the first's chain)."""
+    async with fragmented(unix_path, monkeypatch) as kv:
+        keys = [key(i, "scattered") for i in range(8)]
+        blocks = [data(k, 16 * 4096) for k in keys]  # 16 runs each: 128 in all, 64 a half
+        before = await kv.stats()
+        assert (await kv.put(keys, blocks)).stored == 8
+        after = await kv.stats()
+        assert await kv.lookup(keys) == 8  # one chain
+        assert [bytes(b) for b in await kv.get(keys)] == blocks
+        assert await kv.lookup(keys, pin=True) == 8 and await kv.lookup(keys, pin=True) == 8
+        bufs = [bytearray(len(b)) for b in blocks]
+        assert await kv.get_into(keys, bufs, unpin=True) == [True] * 8 and bufs == blocks
+        end = await kv.stats()
+        assert await kv.unpin(keys) == 8  # (the second lease of each: the get dropped one)
     assert after["shm"]["puts"] - before["shm"]["puts"] == 3  # the refused one, then its halves
     assert after["bytes_in"] - before["bytes_in"] < 64 << 10  # (the blocks went through the arena)
     assert after["store"]["used_bytes"] == (512 + 128) * 4096  # (the refused reservation: given back)
     assert end["shm"]["gets"] - after["shm"]["gets"] == 6  # two gets: refused, then each half
     assert end["store"]["pinned_blocks"] == 8 and end["shm"]["open_handles"] == 0
+
+
+async def test_one_block_in_more_runs_than_a_reply_may_locate_goes_over_the_socket(
+        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(fix review) A single block was never refused: one of 2 GiB in 4 KiB pages may lie in
+    524,288 runs, a 4.7 MiB meta. Refused too, it is put and read over the socket."""
+    async with fragmented(unix_path, monkeypatch) as kv:
+        k = key(0, "one-scattered")
+        block = data(k, 120 * 4096)  # 120 runs
+        before = await kv.stats()
+        assert (await kv.put([k], [block])).stored == 1
+        assert await kv.lookup([k], pin=True) == 1
+        assert bytes((await kv.get([k], unpin=True))[0]) == block
+        after = await kv.stats()
+    assert after["bytes_in"] - before["bytes_in"] > len(block) and after["bytes_out"] - before["bytes_out"] > len(block)
+    assert after["shm"]["puts"] - before["shm"]["puts"] == 1 and after["shm"]["gets"] - before["shm"]["gets"] == 1
+    assert after["store"]["pinned_blocks"] == 0 and after["shm"]["open_handles"] == 0
+
+
+async def test_a_halved_put_whose_second_half_is_refused_keeps_the_first_halfs_outcome(
+        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(fix review) The halves ran as one call: the second refused at the bound of puts waiting
+    for a commit (CapacityError: put over the socket) sent the whole batch again over the socket,
+    and the first half, stored by this very put, came back "existed"; a second half that failed
+    marked the first failed too."""
+    from kvstore.server.shm import ShmService
+
+    real_put, calls = ShmService.put, []
+
+    def put(self: ShmService, session: Session, msg: ShmPut) -> Any:
+        calls.append(len(msg.keys))
+        if len(calls) == 3:  # the second half (as when other clients' uncommitted puts hold the bound)
+            raise CapacityError("shared-memory puts waiting for their commit hold too many keys (put over the socket)")
+        return real_put(self, session, msg)
+
+    async with fragmented(unix_path, monkeypatch) as kv:
+        monkeypatch.setattr(ShmService, "put", put)
+        await kv.close()  # (a new connection takes the wrapper)
+        async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1) as kv2:
+            keys = [key(i, "halves") for i in range(8)]
+            blocks = [data(k, 16 * 4096) for k in keys]
+            result = await kv2.put(keys, blocks)
+            assert calls == [8, 4, 4] and result.statuses == ["stored"] * 8
+            assert await kv2.lookup(keys) == 8 and [bytes(b) for b in await kv2.get(keys)] == blocks
 
 
 def test_sync_client_uses_shm_too(make_server: MakeServer, unix_path: str) -> None:
