@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import os
 import shutil
 import signal
@@ -403,3 +404,17 @@ def test_ab_servers_of_the_older_tree_import_it_from_any_working_folder(tmp_path
     done = subprocess.run([sys.executable, "-m", "kvstore.probe"], capture_output=True, text=True, timeout=30,
                           **_run_in(str(pkg)))
     assert done.returncode == 0 and done.stdout.strip() == str(pkg / "kvstore" / "probe.py"), done.stderr
+
+
+def test_the_bench_keeps_freed_memory_unless_the_environment_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(benchmark audit) Whether redis-py's reads paid page faults depended on what the process had
+    allocated before; the bench sets glibc's thresholds itself, except where the run's environment does."""
+    from kvstore.bench.common import steady_allocator
+
+    for name in [k for k in os.environ if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert steady_allocator() == {}
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    if "glibc" in " ".join(platform.libc_ver()):
+        assert steady_allocator() == {"M_MMAP_THRESHOLD": 32 << 20, "M_TRIM_THRESHOLD": 1 << 30}

@@ -31,7 +31,7 @@ from typing import Any, Callable, Coroutine, NamedTuple
 
 from kvstore.config import parse_size
 
-from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss
+from .common import MiB, LoadMeter, fmt_size, parse_ints, parse_sizes, proc_rss, steady_allocator
 from .matrix import LOOKUP_CHAINS, run_lookups, run_matrix
 from .report import (add_ratios, check_targets, concurrency_table, draw_chart, lookup_table, matrix_table,
                      memory_lines, rss_summary, targets_table)
@@ -244,7 +244,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "argv": sys.argv[1:]},
         "host": {"python": platform.python_version(), "platform": platform.platform(), "ncpu": os.cpu_count(),
                  "cpu": _cpu_model(), "libc": " ".join(platform.libc_ver()),
-                 "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}},
+                 "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
+                 "mallopt": steady_allocator()},
         "notes": notes,
     }
     meter = LoadMeter()

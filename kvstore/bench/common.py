@@ -20,6 +20,33 @@ _TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+#: glibc's mallopt parameters, and what the bench sets them to (see :func:`steady_allocator`).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_STEADY = {"M_MMAP_THRESHOLD": (_M_MMAP_THRESHOLD, 32 * MiB), "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, GiB)}
+
+
+def steady_allocator() -> dict[str, int]:
+    """Have glibc keep freed memory of this process for reuse; returns what was set.
+
+    Why: a peer's client that allocates every value it reads (redis-py makes a new ``bytes``
+    per value) pays page faults, ~1 GB/s, whenever glibc hands a large allocation back to the
+    kernel (mmap'd chunks, a trimmed heap) -- and whether it does depends on what the process
+    allocated before (glibc raises its mmap threshold after large frees): copies of SET values
+    made by redis-py's packer had doubled Redis GET. Kept memory makes every system's client
+    side steady and the peers' reads as fast as they get. Nothing is set where the run's
+    environment tunes malloc itself (``MALLOC_*``, ``GLIBC_TUNABLES``) or libc is not glibc.
+    """
+    if any(k.startswith(("MALLOC_", "GLIBC_TUNABLES")) for k in os.environ):
+        return {}
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return {name: value for name, (param, value) in _STEADY.items() if libc.mallopt(param, value) == 1}
+    except (OSError, AttributeError):
+        return {}
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"64k,1m,4096"`` -> ``[65536, 1048576, 4096]`` (k and m are binary)."""
     out = []
