@@ -197,8 +197,9 @@ class KVClient:
 
     @property
     def closed(self) -> bool:
-        """Closed by :meth:`close` (``connect()`` opens it again), as ``AsyncKVClient.closed``."""
-        return self._aio.closed
+        """Closed by :meth:`close` (``connect()`` opens it again), as ``AsyncKVClient.closed``; and
+        in a forked child, where its connections and loop thread are the parent's (calls raise)."""
+        return self._runner.pid != os.getpid() or self._aio.closed
 
     def __enter__(self) -> KVClient:
         self.connect()

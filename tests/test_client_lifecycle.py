@@ -691,7 +691,8 @@ def test_an_async_client_used_in_a_forked_child_raises_there_and_the_parent_keep
 
 def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working() -> None:
     """In a forked child a KVClient's calls raise TransportError, and close() (a ``with`` block's end)
-    raised it too; it now lets the parent's client be, as AsyncKVClient.close() does."""
+    raised it too; it now lets the parent's client be, as AsyncKVClient.close() does. Its
+    ``closed`` read False there (it reads True: nothing of it works in the child)."""
     from kvstore.server.process import ServerProcess
 
     with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="fork", pool_size=1) as kv:
@@ -702,6 +703,8 @@ def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working()
             signal.alarm(20)
             code = 3
             try:
+                if not kv.closed:
+                    os._exit(4)
                 try:
                     kv.exists([key(1, "fork")])
                     code = 1
@@ -713,7 +716,7 @@ def test_a_kvclient_closed_in_a_forked_child_leaves_the_parents_client_working()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert kv.get([key(1, "fork")]) == [bytearray(b"P" * 4096)]
+        assert not kv.closed and kv.get([key(1, "fork")]) == [bytearray(b"P" * 4096)]
 
 
 def test_a_child_forked_while_another_thread_makes_a_kvclient_can_make_its_own() -> None:
