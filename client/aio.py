@@ -324,12 +324,16 @@ class AsyncKVClient:
             outcome: list[tuple[int, str | None] | KVStoreError] = []
             for part in parts:
                 try:
-                    outcome += await put_part(node, share if whole else share[part.start:part.stop],
-                                              blocks if whole else blocks[part.start:part.stop],
-                                              sizes if whole else sizes[part.start:part.stop],
-                                              before if part.start == 0 else share[part.start - 1])
+                    items = await put_part(node, share if whole else share[part.start:part.stop],
+                                           blocks if whole else blocks[part.start:part.stop],
+                                           sizes if whole else sizes[part.start:part.stop],
+                                           before if part.start == 0 else share[part.start - 1])
                 except KVStoreError as exc:  # this part failed whole; what was stored before it still counts
                     return outcome + [exc] * (len(idx) - len(outcome))  # (a list: _per_node raises an exception)
+                outcome += items
+                failed = _failed_whole(items)
+                if failed is not None:  # (a halved part's second half, after its first was stored): nor the rest
+                    return outcome + [failed] * (len(idx) - len(outcome))
             return outcome
 
         async def put_part(node: Node, part_keys: list[bytes], blocks: list[memoryview], sizes: list[int],
@@ -346,11 +350,14 @@ class AsyncKVClient:
                     if len(part_keys) > 1:  # in halves, the second continuing the first's chain
                         half = len(part_keys) // 2
                         first = await put_part(node, part_keys[:half], blocks[:half], sizes[:half], before)
-                        try:
-                            return first + await put_part(node, part_keys[half:], blocks[half:], sizes[half:],
-                                                          part_keys[half - 1])
-                        except KVStoreError as exc:  # (what the first half stored still counts)
-                            return first + [exc] * (len(part_keys) - half)
+                        failed = _failed_whole(first)  # (a server that stopped answering is not asked again)
+                        if failed is None:
+                            try:
+                                return first + await put_part(node, part_keys[half:], blocks[half:], sizes[half:],
+                                                              part_keys[half - 1])
+                            except KVStoreError as exc:  # (what the first half stored still counts)
+                                failed = exc
+                        return first + [failed] * (len(part_keys) - half)
                     # (one block: the socket carries it)
             if too_large:  # (the server would drop the connection on its frame, and refuses it through the
                 # arena too: no reader over a socket could get it back) -- said here, for this key only
@@ -614,7 +621,14 @@ class AsyncKVClient:
                     if unpin:
                         self._give_back(_pick(keys, idx[half:]), node)
                     raise
-                second = await one(node, idx[half:])
+                gone = next((e for e in first.errors.values() if isinstance(e, TransportError)), None)
+                if gone is None:
+                    second = await one(node, idx[half:])
+                else:  # the server stopped answering (or could not be reached): the second half is not asked
+                    if unpin:
+                        self._give_back(_pick(keys, idx[half:]), node)
+                    rest = len(idx) - half
+                    second = GetOutcome([None] * rest, [0] * rest, dict.fromkeys(range(rest), gone))
                 return GetOutcome(first.out + second.out, first.checksums + second.checksums,
                                   {**first.errors, **{half + j: e for j, e in second.errors.items()}})
             except KVStoreError as exc:  # this share failed whole; the blocks of the others stand (.result)
@@ -754,6 +768,11 @@ def _flag(name: str, value: object) -> bool:
     except (ValueError, RuntimeError, TypeError):  # (an array or tensor: no single truth)
         pass
     raise InvalidRequest(f"{name} must be True or False, got {value!r:.40}")
+
+
+def _failed_whole(outcome: list[tuple[int, str | None] | KVStoreError]) -> KVStoreError | None:
+    """The error of a put's part that failed whole, if one did (per-key statuses are tuples)."""
+    return next((item for item in outcome if isinstance(item, KVStoreError)), None)
 
 
 def _raise_partial(errors: dict[int, KVStoreError], n: int, what: str, result: Any) -> NoReturn:

@@ -46,10 +46,11 @@ Fields = dict[str, Any]
 MaybeAsync = Union[Fields, Awaitable[Fields]]
 #: (namespace, key) -> the outcome of the tier write of a block already in memory: None, or its error.
 TierWrites = dict[tuple[str, bytes], "asyncio.Future[Unavailable | None]"]
-#: Bytes of per-key error messages one PUT-style reply carries (16,384 keys refused with a
-#: 350-byte CapacityError each were 5.7 MiB of meta, over the 4 MiB a client reads: a
-#: ProtocolError, and the outcome of every key lost). Past it a key's message is left out; the
-#: client repeats the last one it got for the same status.
+#: Bytes of per-key error texts one PUT-style reply carries (16,384 keys refused with a 341-byte
+#: CapacityError each were 5.7 MiB of meta, over the 4 MiB a client reads: a ProtocolError, and
+#: the outcome of every key lost). A key's text is left out where the client can tell it: the
+#: same as the last one sent for its status (it repeats that one). Past the budget, only the
+#: first text of each status is sent.
 ERROR_TEXT_BUDGET = 256 << 10
 
 #: Write-behind: checks in the tier of blocks put again (see ``PutSink.commit``) running at once;
@@ -419,12 +420,15 @@ class PutSink:
         """The per-key statuses (and error messages) as they stand."""
         fields: Fields = {"status": self.status}
         if self.errors:
-            texts, left = {}, ERROR_TEXT_BUDGET
+            texts: dict[str, str] = {}
+            last: dict[int, str] = {}  # per status, the last text sent
+            left = ERROR_TEXT_BUDGET
             for i in sorted(self.errors):  # (key order: a key without one takes an earlier key's)
-                left -= len(self.errors[i])
-                if left < 0:
-                    break
-                texts[str(i)] = self.errors[i]
+                text, code = self.errors[i], self.status[i]
+                if last.get(code) == text or (code in last and len(text) > left):
+                    continue
+                left -= len(text)
+                last[code] = texts[str(i)] = text
             fields["errors"] = texts
         return fields
 

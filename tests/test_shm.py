@@ -245,6 +245,74 @@ async def test_a_halved_put_whose_second_half_is_refused_keeps_the_first_halfs_o
             assert await kv2.lookup(keys) == 8 and [bytes(b) for b in await kv2.get(keys)] == blocks
 
 
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_a_halved_request_whose_server_stops_answering_is_not_asked_further(
+        unix_path: str, monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """(second fix review) 32 blocks in 512 runs are asked in halves down to 4 keys. The server
+    answers the first 4 and never the next: every level above then asked for its own second half
+    all the same, each waiting out the client's timeout (8 and 16 keys more here; up to 14 levels
+    of 30 s at the batch limit). The rest now fails with the timeout, unasked."""
+    from kvstore.server.shm import ShmService
+
+    real, calls, silent = getattr(ShmService, op), [], []
+
+    def handler(self: ShmService, session: Session, msg: Any) -> Any:
+        calls.append(len(msg.keys))
+        if len(calls) == 5:  # the second 4-key half: no answer, ever
+            silent.append(asyncio.get_running_loop().create_future())
+            return silent[-1]
+        return real(self, session, msg)
+
+    async with fragmented(unix_path, monkeypatch) as kv:
+        keys = [key(i, "silent") for i in range(32)]
+        blocks = [data(k, 16 * 4096) for k in keys]  # 16 runs each: 512 in all
+        if op == "get":
+            assert (await kv.put(keys, blocks)).stored == 32
+        monkeypatch.setattr(ShmService, op, handler)
+        await kv.close()  # (a new connection takes the wrapper)
+        async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1, timeout=1.0) as kv2:
+            with pytest.raises(RequestTimeout) as info:
+                await (kv2.put(keys, blocks) if op == "put" else kv2.get(keys))
+        loop = silent[0].get_loop()
+        loop.call_soon_threadsafe(silent[0].cancel)
+    assert calls == [32, 16, 8, 4, 4]
+    assert sorted(info.value.errors) == list(range(4, 32))  # type: ignore[attr-defined]
+    if op == "put":
+        assert info.value.result.statuses[:4] == ["stored"] * 4  # type: ignore[attr-defined]
+    else:
+        assert [bytes(b) for b in info.value.result[:4]] == blocks[:4]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_each_failed_keys_error_text_comes_back_or_one_the_client_can_tell(
+        make_server: MakeServer, unix_path: str, transport: str) -> None:
+    """(second fix review) Past the reply's budget for error texts, a key took the last text of its
+    status, or none: one refused as too large came back "block not stored", a 64 KiB block was
+    said to be one of 4 KiB. Only a text equal to the last one sent for its status is left out now
+    (a status's first text always goes); past the budget, texts that differ are left out too."""
+    srv = make_server("--capacity", "4MiB", "--page-size", "4KiB", "--max-block", "8KiB", "--unix", unix_path)
+    async with AsyncKVClient(unix(unix_path) if transport == "shm" else srv.addr, namespace="t") as kv:
+        fill = [key(i, "fill") for i in range(1024)]
+        assert (await kv.put(fill, [b"f" * 4096] * 1024)).stored == 1024  # full of one reachable chain
+        keys = [key(i, "mixed") for i in range(1002)]
+        blocks = [b"n" * 4096] * 1000 + [b"L" * 9000, b"s" * 8192]
+        with pytest.raises(CapacityError) as info:  # (their parent is not stored: they may not evict it)
+            await kv.put(keys, blocks, parent=key(0, "missing-parent"))
+        texts = {i: str(e) for i, e in info.value.errors.items()}  # type: ignore[attr-defined]
+        assert len(texts) == 1002 and len({texts[i] for i in range(1000)}) == 1
+        assert "a block of 4.0 KiB" in texts[0] and "a block of 8.0 KiB" in texts[1001]
+        assert type(info.value.errors[1000]) is TooLarge and "9000 bytes" in texts[1000]  # type: ignore[attr-defined]
+        # Past the budget: 4,000 blocks over --max-block, each refused with a text naming its size.
+        sizes = [8193 + i for i in range(4000)]
+        keys = [key(i, "sizes") for i in range(4000)]
+        with pytest.raises(TooLarge) as info:
+            await kv.put(keys, [b"z" * n for n in sizes])
+        texts = {i: str(e) for i, e in info.value.errors.items()}  # type: ignore[attr-defined]
+        assert len(texts) == 4000 and all("bytes is over the 8192 bytes" in t for t in texts.values())
+        exact = [i for i in range(4000) if f"a block of {sizes[i]} bytes" in texts[i]]
+        assert exact == list(range(len(exact))) and 1000 < len(exact) < 4000  # (256 KiB of ~130-byte texts)
+
+
 def test_sync_client_uses_shm_too(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path)
     keys = [key(i, "sync") for i in range(4)]
