@@ -34,7 +34,7 @@ from . import replies, workers
 from .buffers import GetSink, Recycler
 from .connection import NotHome, Response, refusal
 from .node import Node, claim_home, forks
-from .shm import GetOutcome, ShmGone
+from .shm import CopyExpired, GetOutcome, ShmGone
 from .sharding import Ring
 from .workers import run_parallel
 
@@ -621,7 +621,8 @@ class AsyncKVClient:
                     if unpin:
                         self._give_back(_pick(keys, idx[half:]), node)
                     raise
-                gone = next((e for e in first.errors.values() if isinstance(e, TransportError)), None)
+                gone = next((e for e in first.errors.values()
+                             if isinstance(e, TransportError) and not isinstance(e, CopyExpired)), None)
                 if gone is None:
                     second = await one(node, idx[half:])
                 else:  # the server stopped answering (or could not be reached): the second half is not asked

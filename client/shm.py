@@ -348,6 +348,11 @@ class GetOutcome:
     errors: dict[int, KVStoreError] = field(default_factory=dict)
 
 
+class CopyExpired(RequestTimeout):
+    """A copy out of the arena outlasted its read pins (``--lease-seconds``) and was discarded: the
+    server answered, so a halved get still asks for its other half."""
+
+
 class ShmGone(TransportError):
     """The server no longer shares its arena (restarted with ``--no-shm``) and nothing of the call is
     pending on it: the caller sends the call over the socket instead."""
@@ -476,8 +481,8 @@ class ShmChannel:
             conn.post(ShmRelease(handle=handle), timeout=self.client.timeout)
             return outcome
         if not await self._release(conn, handle):
-            raise RequestTimeout(f"{self.node.addr}: shared-memory read pins expired before the copy finished "
-                                 "(--lease-seconds); the copy was discarded")
+            raise CopyExpired(f"{self.node.addr}: shared-memory read pins expired before the copy finished "
+                              "(--lease-seconds); the copy was discarded")
         return outcome
 
     def _copy_out(self, keys: list[bytes], sizes: list[Any], sums: list[Any], locs: list[Any],

@@ -283,6 +283,35 @@ async def test_a_halved_request_whose_server_stops_answering_is_not_asked_furthe
         assert [bytes(b) for b in info.value.result[:4]] == blocks[:4]  # type: ignore[attr-defined]
 
 
+async def test_a_halved_get_whose_copy_outlasted_its_pins_still_asks_the_other_halves(
+        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(third fix review) A copy whose read pins expired (--lease-seconds) fails with a
+    RequestTimeout after the server answered; the halved get took it for a server that stopped
+    answering and asked none of the other halves: 32 keys failed for 4."""
+    from kvstore.client.shm import CopyExpired
+    from kvstore.server.shm import ShmService
+
+    real_release, releases = ShmService.release, []
+
+    def release(self: ShmService, session: Session, msg: Any) -> Any:
+        releases.append(msg.handle)
+        fields = real_release(self, session, msg)
+        return {"held": False} if len(releases) == 1 else fields  # (the first copy: as if its pins expired)
+
+    async with fragmented(unix_path, monkeypatch) as kv:
+        keys = [key(i, "expired") for i in range(32)]
+        blocks = [data(k, 16 * 4096) for k in keys]  # 512 runs: asked down to 4 keys at a time
+        assert (await kv.put(keys, blocks)).stored == 32
+        monkeypatch.setattr(ShmService, "release", release)
+        await kv.close()  # (a new connection takes the wrapper)
+        async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1, verify=False) as kv2:
+            with pytest.raises(CopyExpired) as info:  # (unverified: the release's answer decides)
+                await kv2.get(keys)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]  # type: ignore[attr-defined]
+    assert [bytes(b) for b in info.value.result[4:]] == blocks[4:]  # type: ignore[attr-defined]
+    assert len(releases) == 8
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_each_failed_keys_error_text_comes_back_or_one_the_client_can_tell(
         make_server: MakeServer, unix_path: str, transport: str) -> None:
