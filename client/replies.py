@@ -20,8 +20,8 @@ UINT64_MAX = 2**64 - 1
 def statuses(fields: dict[str, Any], n: int, what: str) -> list[tuple[int, str | None]]:
     """A PUT-style reply's ``(status code, error message or None)`` per key.
 
-    A failed key whose message the server left out (it bounds their bytes in one reply) gets
-    the last message sent for the same status before it.
+    A failed key whose message the server left out (the same as the last one it sent for that
+    status, or one past its budget for messages) gets the last message sent for the same status.
     """
     status, errors = fields.get("status"), fields.get("errors")
     errors = {} if errors is None else errors

@@ -49,8 +49,8 @@ TierWrites = dict[tuple[str, bytes], "asyncio.Future[Unavailable | None]"]
 #: Bytes of per-key error texts one PUT-style reply carries (16,384 keys refused with a 341-byte
 #: CapacityError each were 5.7 MiB of meta, over the 4 MiB a client reads: a ProtocolError, and
 #: the outcome of every key lost). A key's text is left out where the client can tell it: the
-#: same as the last one sent for its status (it repeats that one). Past the budget, only the
-#: first text of each status is sent.
+#: same as the last one sent for its status (it repeats that one). Past the budget a text is
+#: left out too, unless it is the first of its status: its key gets the last one sent for it.
 ERROR_TEXT_BUDGET = 256 << 10
 
 #: Write-behind: checks in the tier of blocks put again (see ``PutSink.commit``) running at once;
