@@ -421,6 +421,8 @@ class ShmChannel:
                     result = await op(channel, conn)
                     self.node.failures = 0
                     return result
+                except CopyExpired:
+                    raise  # (the server answered: the copy was slow, not the server)
                 except RequestTimeout as exc:
                     raise self.node.failed(exc)  # like every other call: a timeout is not retried
                 except (ShmGone, NotHome):

@@ -283,11 +283,13 @@ async def test_a_halved_request_whose_server_stops_answering_is_not_asked_furthe
         assert [bytes(b) for b in info.value.result[:4]] == blocks[:4]  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("quarantine", [0.0, 5.0])
 async def test_a_halved_get_whose_copy_outlasted_its_pins_still_asks_the_other_halves(
-        unix_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        unix_path: str, monkeypatch: pytest.MonkeyPatch, quarantine: float) -> None:
     """(third fix review) A copy whose read pins expired (--lease-seconds) fails with a
     RequestTimeout after the server answered; the halved get took it for a server that stopped
-    answering and asked none of the other halves: 32 keys failed for 4."""
+    answering and asked none of the other halves: 32 keys failed for 4. (Fourth:) a client with
+    a quarantine also quarantined that server, and the other halves failed with it."""
     from kvstore.client.shm import CopyExpired
     from kvstore.server.shm import ShmService
 
@@ -304,9 +306,11 @@ async def test_a_halved_get_whose_copy_outlasted_its_pins_still_asks_the_other_h
         assert (await kv.put(keys, blocks)).stored == 32
         monkeypatch.setattr(ShmService, "release", release)
         await kv.close()  # (a new connection takes the wrapper)
-        async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1, verify=False) as kv2:
+        async with AsyncKVClient(unix(unix_path), namespace="frag", pool_size=1, verify=False,
+                                 quarantine=quarantine) as kv2:
             with pytest.raises(CopyExpired) as info:  # (unverified: the release's answer decides)
                 await kv2.get(keys)
+            assert await kv2.exists(keys[:1]) == [True]  # (not quarantined)
     assert sorted(info.value.errors) == [0, 1, 2, 3]  # type: ignore[attr-defined]
     assert [bytes(b) for b in info.value.result[4:]] == blocks[4:]  # type: ignore[attr-defined]
     assert len(releases) == 8
