@@ -643,12 +643,22 @@ class RedisTier(Tier):
             self._seen(it.ns, n)
         runs = _pieces(sizes, _PIPELINE_BYTES)
         outcomes = await self._in_parts([(self._set_commands(items[lo:hi]), sum(sizes[lo:hi])) for lo, hi in runs])
+        failure: BaseException | None = None
         for (lo, hi), results in zip(runs, outcomes):
             if isinstance(results, BaseException):
-                raise results
-            self._refused(results[:hi - lo], "block write(s)")  # (the record's hints that follow are best effort)
-        self.counters["stored_blocks"] += len(items)
-        self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in items)
+                failure = failure or results
+                continue
+            # Counted as Redis took them, also beside blocks it refused (they are in Redis, and read back).
+            written = [it for it, r in zip(items[lo:hi], results) if not isinstance(r, BaseException)]
+            self.counters["stored_blocks"] += len(written)
+            self.counters["stored_bytes"] += sum(len(it.value) - HEADER_SIZE for it in written)
+            if failure is None and len(written) < hi - lo:
+                try:
+                    self._refused(results[:hi - lo], "block write(s)")  # (the record's hints after: best effort)
+                except Unavailable as exc:
+                    failure = exc
+        if failure is not None:
+            raise failure
 
     def refusal(self) -> Unavailable | None:
         return self._unavailable() if self.write_through and not self._up.is_set() else None

@@ -235,12 +235,13 @@ class ShmService:
             raise InvalidRequest("SHM_ATTACH is answered once per connection (its reply carries the arena)")
         assert self.fd is not None
         arena = self.store.arena
-        frame = reply(ShmAttach.OP, request_id, size=arena.capacity, page_size=arena.page_size,
-                      instance=self.instance)
-        if not send_with_fd(transport, b"".join(frame), self.fd):
+        frame = b"".join(reply(ShmAttach.OP, request_id, size=arena.capacity, page_size=arena.page_size,
+                               instance=self.instance))
+        if not send_with_fd(transport, frame, self.fd):
             log.debug("%s hung up before its SHM_ATTACH reply", session.peer)
             transport.abort()
             return
+        self.service.counters.bytes_out += len(frame)  # (written past the connection, which counts the rest)
         st.attached = True
         self.counters["attached"] += 1
         log.info("shared arena mapped by %s", session.peer, extra={"event": "shm_attach", "peer": session.peer})

@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.aio import checksum
 from kvstore.errors import TooLarge
-from kvstore.protocol import Get, Hello, Lookup, Ping, Put, encode
+from kvstore.protocol import Get, Hello, Lookup, Ping, Put, ShmAttach, encode
 from kvstore.server.cli import config_from_args
 from kvstore.server.metrics import SHM_METRICS, TIER_METRICS
 from redis_fixtures import redis_server, reserved_bytes, wait_until  # noqa: F401  (redis_server: a fixture)
-from shm_helpers import shm_locate, unix_path  # noqa: F401  (unix_path: a fixture)
+from shm_helpers import raw_exchange, shm_locate, unix_path  # noqa: F401  (unix_path: a fixture)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -56,6 +56,19 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def frame_len(msg: Any, payload: list[bytes] = ()) -> int:  # type: ignore[assignment]
     return sum(len(b) for b in encode(msg, 1, payload))
+
+
+def test_the_shm_attach_reply_counts_in_bytes_out(make_server, metrics_url, unix_path: str) -> None:
+    """(metrics review) The reply that carries the arena's descriptor is written past the
+    connection's transport, and was never counted in kvstore_bytes_out_total."""
+    srv = make_server("--capacity", "8MiB", "--metrics-port", "0", "--unix", unix_path)
+    base = metrics_url(srv)
+    before = value(scrape(base), "kvstore_bytes_out_total")
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
+    for fd in fds:
+        os.close(fd)
+    received = sum(len(b) for f in frames for b in encode(f.msg, f.request_id))  # (the frames as sent)
+    assert len(fds) == 1 and value(scrape(base), "kvstore_bytes_out_total") - before == received
 
 
 async def test_counters_match_known_traffic_exactly(make_server, metrics_url) -> None:

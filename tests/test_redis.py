@@ -419,6 +419,21 @@ async def test_redis_limit_is_learnt_when_redis_comes_up_after_the_server(tmp_pa
         redis.stop()
 
 
+async def test_blocks_redis_took_beside_ones_it_refused_are_counted_as_written(make_redis, make_server) -> None:
+    """(metrics review) A write-through put that Redis partly refused (out of memory) counted none
+    of its blocks in the tier's stored_blocks, though the ones it took are in Redis and read back."""
+    redis = make_redis(args=["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"])
+    srv = make_server("--capacity", MEM, "--redis", redis.url)
+    keys = chain(16, "oom")  # 4 MB: Redis takes the first blocks, then refuses the rest
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=20) as kv:
+        with pytest.raises(Unavailable):
+            await kv.put(keys, blocks(keys, 250_000))
+        stats = (await kv.stats())["tier"]
+    written = sum(in_redis(redis, NS, keys))
+    assert 0 < written < 16
+    assert stats["stored_blocks"] == written and stats["stored_bytes"] == written * 250_000
+
+
 async def test_write_behind_blocks_redis_refuses_are_reported_while_it_happens(make_redis, make_server) -> None:
     redis = make_redis(args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
     srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", "--drain-seconds", "1")
