@@ -33,7 +33,7 @@ from kvstore.protocol import (
 from . import replies, workers
 from .buffers import GetSink, Recycler
 from .connection import NotHome, Response, refusal
-from .node import Node, claim_home, forks
+from .node import Node, check_host, claim_home, forks
 from .shm import CopyExpired, GetOutcome, ShmGone
 from .sharding import Ring
 from .workers import run_parallel
@@ -129,7 +129,9 @@ class AsyncKVClient:
         # (not the leading: in the server's "GLOB: TOKEN" lines the space is part of the token)
         self.token = token.rstrip() if token is not None else None
         self.tls = _ssl_context(tls)
-        self.server_hostname = server_hostname
+        if server_hostname is not None and not isinstance(server_hostname, str):
+            raise InvalidRequest(f"server_hostname must be a string, got {type(server_hostname).__name__}")
+        self.server_hostname = server_hostname and check_host(server_hostname, "server_hostname")
         if type(pool_size) is not int or pool_size < 1:
             raise InvalidRequest(f"pool_size must be an integer >= 1, got {pool_size!r}")
         if type(retries) is not int or retries < 0:

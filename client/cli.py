@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import ssl
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO, cast
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
@@ -30,6 +32,7 @@ from kvstore.protocol import Ping
 from . import workers
 from .aio import AsyncKVClient
 from .connection import open_connection
+from .node import check_host
 from .tokens import read_token_file, uncovered
 
 PROG = "kvstore-cli"
@@ -203,6 +206,10 @@ def make_client(args: argparse.Namespace) -> AsyncKVClient:
         raise UsageError(str(exc)) from None
     tls = _tls(args)
     token = read_token(args.token_file, args.namespace)
+    try:
+        check_host(args.tls_server_name or "", f"--tls-server-name {args.tls_server_name!r}")
+    except InvalidRequest as exc:
+        raise UsageError(str(exc)) from None
     try:
         return AsyncKVClient(args.addr, namespace=args.namespace, token=token, tls=tls,
                              pool_size=1, retries=0, timeout=args.timeout, connect_timeout=args.timeout,
@@ -418,9 +425,51 @@ def _open_stream(stream: TextIO | None, name: str, instead: str) -> TextIO:
     return stream
 
 
+async def _off_loop(read: Callable[[int], bytes], fd: int) -> bytes:
+    """A blocking read of stdin (its descriptor ``fd``), on a daemon thread: the event loop stays
+    free, so the first Ctrl-C ends the command (a read in the loop's thread was resumed after it:
+    only a second one did). The thread reads the descriptor, not ``sys.stdin``: a daemon thread
+    left blocked holding the buffered stream's lock aborts the interpreter at exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    def settle(result: bytes, error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = read(fd), None
+        except BaseException as exc:  # (an OSError of the stream, say: raised in the command)
+            result, error = b"", exc
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: the command ended meanwhile)
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="kvstore-cli-stdin", daemon=True).start()
+    return await done
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _read_line(fd: int) -> bytes:
+    """Up to a newline or the end (a byte at a time: nothing past the answer is taken from stdin)."""
+    line = bytearray()
+    while (byte := os.read(fd, 1)) and byte != b"\n":
+        line += byte
+    return bytes(line)
+
+
 async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
     key = parse_key(args.key)
-    data = (_open_stream(sys.stdin, "stdin", "give a FILE").buffer.read() if args.file == "-"
+    data = (await _off_loop(_read_all, _open_stream(sys.stdin, "stdin", "give a FILE").fileno()) if args.file == "-"
             else Path(args.file).read_bytes())
     res = await kv.put([key], [data])
     if res.statuses[0] == "existed":  # (the stored block stays; its size is not this file's)
@@ -458,7 +507,8 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
         else:  # not among the largest the server lists
             what = "all blocks"
         print(f"Delete {what} of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
-        answer = _open_stream(sys.stdin, "stdin", "give --yes to flush without asking").readline().strip().lower()
+        stdin = _open_stream(sys.stdin, "stdin", "give --yes to flush without asking").fileno()
+        answer = (await _off_loop(_read_line, stdin)).decode(errors="replace").strip().lower()
         if answer not in ("y", "yes"):
             print("not flushed", file=out)
             return 1
@@ -524,16 +574,51 @@ def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
 SHOWING = ("stats", "namespaces", "watch", "get")
 
 
+class _Out:
+    """Standard output whose reader may leave early (``kvstore-cli exists ... | head -1``): past a
+    broken pipe its writes are dropped, so the command still ends, with its own exit code (an
+    ``exists`` that found a key missing: 1), where the pipe's error had ended it with 0."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream  # None: closed at start (cron, ``>&-``), or its reader gone
+
+    def write(self, text: str) -> int:
+        if self.stream is not None:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.stream = None
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: no second broken-pipe error when Python flushes it at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 async def _run(args: argparse.Namespace) -> int:
     if sys.stdout is None and args.command in SHOWING and not getattr(args, "output", None):
         raise Failure("stdout is closed: " + ("give -o FILE" if args.command == "get" else
                                               f"{args.command} has nowhere to show its answer"))
     kv = make_client(args)
+    out = _Out(sys.stdout)
     try:
         if args.command != "ping":  # (ping connects its own way: without a token, no HELLO)
             await kv.connect()
-        return await COMMANDS[args.command](kv, args, sys.stdout)
+        return await COMMANDS[args.command](kv, args, cast(TextIO, out))
     finally:
+        out.flush()
         await kv.close()
 
 
@@ -559,8 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(said(exc))
     except KVStoreError as exc:
         return _fail(_explain(exc, args))
-    except BrokenPipeError:  # `kvstore-cli stats | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    except BrokenPipeError:  # `kvstore-cli get KEY | head -c 10`: the reader has what it wanted
+        _drop_stdout()
         return 0
     except OSError as exc:  # an unreadable token, CA or value file
         return _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))

@@ -38,7 +38,18 @@ def _parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return check_host(host.strip("[]"), f"address {addr!r}") or "127.0.0.1", int(port)
+
+
+def check_host(host: str, what: str) -> str:
+    """``host`` if the resolver and TLS can take it as a name, else ``InvalidRequest`` (a name part
+    over 63 characters, an empty one -- ``a..b`` -- or text that is not Unicode failed at connect
+    time with a ``UnicodeError`` of the codec, past the client's typed errors)."""
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        raise InvalidRequest(f"{what}: not a usable host name ({exc})") from None
+    return host
 
 
 _CLOSED = "the client is closed"
@@ -78,6 +89,10 @@ class Node:
 
     def __init__(self, addr: str, client: AsyncKVClient) -> None:
         self.addr = addr
+        try:
+            addr.encode()
+        except UnicodeEncodeError:  # (a path or name read from bytes that are not UTF-8)
+            raise InvalidRequest(f"address {addr!r} is not valid text") from None
         self.unix: str | None = addr[len("unix:"):] if addr.startswith("unix:") else None  # a Unix socket path
         if self.unix == "":
             raise InvalidRequest("a Unix socket address is 'unix:/path/to.sock'")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import AsyncKVClient, KVClient
+from kvstore.errors import InvalidRequest
 
 CLI = Path(sys.executable).with_name("kvstore-cli")
 KEY = "00112233445566778899aabbccddeeff"
@@ -301,6 +302,67 @@ def test_an_addr_without_a_valid_port_is_a_usage_error(addr: str) -> None:
     assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
     r = cli("ping", addr=addr)  # the same from KVSTORE_ADDR
     assert r.returncode == 2 and "HOST:PORT" in one_error_line(r)
+
+
+@pytest.mark.parametrize("args", [["--addr", "a..b:7600"], ["--addr", "a" * 64 + ".example:7600"],
+                                  ["--addr", b"unix:/tmp/\xff.sock"], ["--addr", b"\xff:7600"],
+                                  ["--tls", "--tls-server-name", "a..b"], ["--tls", "--tls-server-name", b"\xff"]],
+                         ids=["empty label", "label over 63", "path not utf-8", "host not utf-8",
+                              "server name", "server name not utf-8"])
+def test_a_host_name_the_resolver_cannot_take_is_a_usage_error(args: list[str | bytes]) -> None:
+    """(CLI review) These ended in a UnicodeError's traceback, at connect time (the library raised
+    it too, past its typed errors): refused before connecting now."""
+    r = subprocess.run([str(CLI), *args, "ping"], capture_output=True, timeout=30,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")})
+    assert r.returncode == 2 and re.search(r"--addr|--tls-server-name", one_error_line(r))
+
+
+def test_a_host_name_the_resolver_cannot_take_is_refused_by_the_library_too() -> None:
+    for addr in ("a..b:7600", "x" * 64 + ":7600", "unix:/tmp/\udcff.sock"):
+        with pytest.raises(InvalidRequest):
+            AsyncKVClient(addr)
+    with pytest.raises(InvalidRequest, match="server_hostname"):
+        AsyncKVClient("127.0.0.1:7600", server_hostname="a..b")
+    assert AsyncKVClient("b\u00fccher.example:7600").nodes[0].host == "b\u00fccher.example"  # (IDNA: fine)
+
+
+def test_exit_codes_stand_when_the_reader_of_stdout_has_gone(server) -> None:
+    """(CLI review) `kvstore-cli exists ... | head -1`: the broken pipe made every exit 0, so an
+    exists that found a key missing said all were there."""
+    with KVClient(server.addr) as kv:
+        kv.put([bytes.fromhex(KEY)], [b"v"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")} | {"KVSTORE_ADDR": server.addr}
+    for keys, code in (([KEY], 0), ([KEY, "ff" * 16], 1)):
+        read, write = os.pipe()
+        os.close(read)  # (the reader is gone before the first line)
+        try:
+            r = subprocess.run([str(CLI), "exists", *keys * 2000], stdout=write, stderr=subprocess.PIPE,
+                               env=env, timeout=30)
+        finally:
+            os.close(write)
+        assert r.returncode == code and r.stderr == b""
+
+
+@pytest.mark.parametrize("args", [["put", KEY], ["flush", "--namespace", "ctrl-c"]])
+def test_the_first_ctrl_c_ends_a_command_waiting_on_stdin(server, args: list[str]) -> None:
+    """(CLI review) A read of stdin in the event loop's thread was resumed after the first SIGINT
+    (it only cancelled the command): `put KEY` with no FILE, or flush's [y/N], took a second."""
+    with KVClient(server.addr, namespace="ctrl-c") as kv:
+        kv.put([bytes.fromhex(KEY)], [b"v"])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")} | {"KVSTORE_ADDR": server.addr}
+        with subprocess.Popen([str(CLI), *args], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env) as proc:  # (stdin left open: it waits)
+            try:
+                deadline = time.monotonic() + 20
+                while kv.stats()["connections"] < 2:  # the command is connected: it reads stdin next
+                    assert time.monotonic() < deadline and proc.poll() is None
+                    time.sleep(0.05)
+                time.sleep(0.3)
+                proc.send_signal(signal.SIGINT)
+                assert proc.wait(10) == 130
+            finally:
+                proc.kill()
+        assert kv.exists([bytes.fromhex(KEY)]) == [True]  # (nothing flushed)
 
 
 @pytest.mark.parametrize(("name", "value"), [("KVSTORE_TIMEOUT", "abc"), ("KVSTORE_TIMEOUT", "-1"),
