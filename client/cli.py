@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO, cast
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
@@ -336,13 +336,48 @@ def watch_line(prev: dict[str, Any] | None, cur: dict[str, Any], dt: float, own:
 # ----------------------------------------------------------------------------- commands
 
 
-async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+class Output:
+    """Standard output whose reader may leave early (``kvstore-cli exists ... | head -1``): past a
+    broken pipe its writes are dropped, so the command still ends, with its own exit code (an
+    ``exists`` that found a key missing: 1), where the pipe's error had ended it with 0. A command
+    that would go on printing (watch, ping -c) stops once ``gone``."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream  # None: closed at start (cron, ``>&-``), or its reader gone
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if self.stream is not None:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.stream, self.gone = None, True
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: no second broken-pipe error when Python flushes it at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     st = await kv.stats()
     print(json.dumps(st, indent=2, sort_keys=True) if args.json else render_stats(st, args.addr), file=out)
     return 0
 
 
-async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     st = await kv.stats()
     ns = st.get("namespaces", {})
     tier = (st.get("tier") or {}).get("target")
@@ -351,7 +386,7 @@ async def cmd_namespaces(kv: AsyncKVClient, args: argparse.Namespace, out: TextI
     return 0
 
 
-async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     """PING; without a token it skips HELLO, so it checks a server that wants tokens too
     (a health check needs no secret); with one, the token is checked first. A server with
     tokens closes a connection that has not said HELLO after ``--frame-timeout``: a long
@@ -389,7 +424,9 @@ async def cmd_ping(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> 
                     else:
                         raise
                 answered = True
-            print(f"PONG from {args.addr} in {rtt * 1000:.3f} ms", file=out)
+            print(f"PONG from {args.addr} in {rtt * 1000:.3f} ms", file=out, flush=True)
+            if out.gone:
+                break
     finally:
         if conn is not None:
             await conn.aclose()
@@ -402,7 +439,7 @@ async def _bare_ping(conn: Any, timeout: float | None) -> float:
     return time.perf_counter() - t0
 
 
-async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     key = parse_key(args.key)
     (blob,) = await kv.get([key])
     if blob is None:
@@ -467,7 +504,7 @@ def _read_line(fd: int) -> bytes:
     return bytes(line)
 
 
-async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     key = parse_key(args.key)
     data = (await _off_loop(_read_all, _open_stream(sys.stdin, "stdin", "give a FILE").fileno()) if args.file == "-"
             else Path(args.file).read_bytes())
@@ -480,7 +517,7 @@ async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> i
     return 0
 
 
-async def cmd_exists(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_exists(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     keys = [parse_key(k) for k in args.keys]
     present = await kv.exists(keys)
     for k, p in zip(keys, present):
@@ -488,13 +525,13 @@ async def cmd_exists(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -
     return 0 if all(present) else 1
 
 
-async def cmd_delete(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_delete(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     n = await kv.delete([parse_key(k) for k in args.keys])
     print(f"deleted {n} of {len(args.keys)} block(s) in namespace {args.namespace!r}", file=out)
     return 0
 
 
-async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     ns = args.namespace
     if not args.yes:
         st = await kv.stats()
@@ -517,7 +554,7 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
     return 0
 
 
-async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) -> int:
+async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     """A server that cannot be reached for a sample (restarting, say, or at its connection limit
     after one) gets a line saying so, and watch goes on; one that cannot be reached at the start is
     an error, as for every command. With ``--count``, the exit status is 1 when the last sample
@@ -539,10 +576,12 @@ async def cmd_watch(kv: AsyncKVClient, args: argparse.Namespace, out: TextIO) ->
             prev, t_prev, n, reached = cur, now, n + 1, True
         if args.count and n >= args.count:
             return 0 if reached else 1
+        if out.gone:  # (`watch | head -1`: its reader has what it wanted)
+            return 0
         await asyncio.sleep(max(0.05, args.interval))
 
 
-COMMANDS: dict[str, Callable[[AsyncKVClient, argparse.Namespace, TextIO], Awaitable[int]]] = {
+COMMANDS: dict[str, Callable[[AsyncKVClient, argparse.Namespace, Output], Awaitable[int]]] = {
     "stats": cmd_stats, "namespaces": cmd_namespaces, "ping": cmd_ping, "get": cmd_get, "put": cmd_put,
     "exists": cmd_exists, "delete": cmd_delete, "flush": cmd_flush, "watch": cmd_watch,
 }
@@ -574,49 +613,16 @@ def _explain(exc: KVStoreError, args: argparse.Namespace | None = None) -> str:
 SHOWING = ("stats", "namespaces", "watch", "get")
 
 
-class _Out:
-    """Standard output whose reader may leave early (``kvstore-cli exists ... | head -1``): past a
-    broken pipe its writes are dropped, so the command still ends, with its own exit code (an
-    ``exists`` that found a key missing: 1), where the pipe's error had ended it with 0."""
-
-    def __init__(self, stream: TextIO | None) -> None:
-        self.stream = stream  # None: closed at start (cron, ``>&-``), or its reader gone
-
-    def write(self, text: str) -> int:
-        if self.stream is not None:
-            try:
-                self.stream.write(text)
-            except BrokenPipeError:
-                self._leave()
-        return len(text)
-
-    def flush(self) -> None:
-        if self.stream is not None:
-            try:
-                self.stream.flush()
-            except BrokenPipeError:
-                self._leave()
-
-    def _leave(self) -> None:
-        self.stream = None
-        _drop_stdout()
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null: no second broken-pipe error when Python flushes it at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 async def _run(args: argparse.Namespace) -> int:
     if sys.stdout is None and args.command in SHOWING and not getattr(args, "output", None):
         raise Failure("stdout is closed: " + ("give -o FILE" if args.command == "get" else
                                               f"{args.command} has nowhere to show its answer"))
     kv = make_client(args)
-    out = _Out(sys.stdout)
+    out = Output(sys.stdout)
     try:
         if args.command != "ping":  # (ping connects its own way: without a token, no HELLO)
             await kv.connect()
-        return await COMMANDS[args.command](kv, args, cast(TextIO, out))
+        return await COMMANDS[args.command](kv, args, out)
     finally:
         out.flush()
         await kv.close()
