@@ -41,14 +41,14 @@ import stat
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable
+from typing import TYPE_CHECKING, Any, Awaitable, Sequence
 
 import xxhash
 
 from kvstore.arena import Extent, byte_runs
 from kvstore.errors import CapacityError, InvalidRequest, NotFound, TooLarge, Unauthorized, Unavailable
 from kvstore.protocol import Put, ShmAttach, ShmCommit, ShmGet, ShmPut, ShmRelease, reply
-from kvstore.store import BlockRef
+from kvstore.store import BlockRef, Reservation
 
 from .auth import is_loopback
 from .service import Fields, GetResult, PutSink, over_reply_limit
@@ -80,12 +80,12 @@ Loc = list[list[int]]  # [[offset, length], ...] in the shared arena, in order
 MAX_REPLY_RUNS = 200_000
 
 
-def _check_runs(extents: list[Extent], n_keys: int) -> None:
-    """Raise TooLarge when a reply would locate more than MAX_REPLY_RUNS runs."""
-    runs = sum(map(len, extents))
+def _check_runs(located: Sequence[BlockRef | Reservation | None]) -> None:
+    """Raise TooLarge when a reply would locate more than MAX_REPLY_RUNS runs (None: not located)."""
+    runs = sum(len(r.extent) for r in located if r is not None)
     if runs > MAX_REPLY_RUNS:
-        raise TooLarge(f"the {n_keys} block(s) lie in {runs} separate runs of the arena, more than one reply "
-                       f"may locate ({MAX_REPLY_RUNS}): ask for fewer at once, or one over the socket")
+        raise TooLarge(f"the {len(located)} block(s) lie in {runs} separate runs of the arena, more than one "
+                       f"reply may locate ({MAX_REPLY_RUNS}): ask for fewer at once, or one over the socket")
 
 
 def extent_locs(extent: Extent, size: int, page_size: int) -> Loc:
@@ -261,7 +261,7 @@ class ShmService:
         missing = [i for i, r in enumerate(refs) if r is None]
         if self.tier is None or not missing:
             try:
-                _check_runs([r.extent for r in refs if r is not None], len(msg.keys))
+                _check_runs(refs)
             except TooLarge:  # (before any lease is dropped: the client asks again in halves)
                 self._release_refs(self._settle(budget, refs))
                 raise
@@ -303,7 +303,7 @@ class ShmService:
             inline_bytes = sum(len(data) for data, _ in inline.values())
             if inline_bytes > self.service.max_reply:
                 raise TooLarge(over_reply_limit(inline_bytes, len(inline), self.service.max_reply))
-            _check_runs([r.extent for r in refs if r is not None], len(keys))
+            _check_runs(refs)
         except BaseException:  # (TooLarge, or cancelled: the pins go with it)
             held = self._settle(budget, refs)
             self._release_refs(held)
@@ -382,7 +382,7 @@ class ShmService:
             locs.append(None if res is None else extent_locs(res.extent, size, page_size))
         self.counters["puts"] += 1
         try:
-            _check_runs([r.extent for r in sink.reservations if r is not None], len(msg.keys))
+            _check_runs(sink.reservations)
         except TooLarge:
             sink.abort()
             raise
