@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO, TypeVar
 
 from kvstore import __version__
 from kvstore.config import format_size, note_env, parse_bool, parse_number
@@ -35,6 +35,7 @@ from .connection import open_connection
 from .node import check_host
 from .tokens import read_token_file, uncovered
 
+T = TypeVar("T")
 PROG = "kvstore-cli"
 ENV = "KVSTORE_"
 
@@ -216,7 +217,7 @@ def make_client(args: argparse.Namespace) -> AsyncKVClient:
                              server_hostname=args.tls_server_name,
                              shm=False)  # (one small request: mapping the whole arena would cost more)
     except InvalidRequest:  # the address (the library checks it)
-        raise UsageError(f"--addr must be HOST:PORT or unix:/path/to.sock, not {args.addr!r}") from None
+        raise UsageError(f"--addr must be HOST:PORT ([IPV6]:PORT) or unix:/path/to.sock, not {args.addr!r}") from None
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -444,8 +445,8 @@ async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> i
     (blob,) = await kv.get([key])
     if blob is None:
         return _fail(f"key {key.hex()} not found in namespace {args.namespace!r}")
-    if args.output:
-        Path(args.output).write_bytes(blob)
+    if args.output is not None:
+        _on_file(args.output, lambda path: path.write_bytes(blob), "--output ")
     elif args.hex:
         print(bytes(blob).hex(), file=out)
     else:
@@ -453,6 +454,15 @@ async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> i
         sys.stdout.buffer.write(blob)
         sys.stdout.buffer.flush()
     return 0
+
+
+def _on_file(name: str, op: Callable[[Path], T], flag: str = "") -> T:
+    """``op(Path(name))``, its OSError named with the file (one raised by a read or write rather than
+    the open names none: ``get -o /proc/version`` said only "Input/output error")."""
+    try:
+        return op(Path(name))
+    except OSError as exc:
+        raise Failure(f"{flag}{name}: {exc.strerror or exc}") from None
 
 
 def _open_stream(stream: TextIO | None, name: str, instead: str) -> TextIO:
@@ -507,7 +517,7 @@ def _read_line(fd: int) -> bytes:
 async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     key = parse_key(args.key)
     data = (await _off_loop(_read_all, _open_stream(sys.stdin, "stdin", "give a FILE").fileno()) if args.file == "-"
-            else Path(args.file).read_bytes())
+            else _on_file(args.file, Path.read_bytes))
     res = await kv.put([key], [data])
     if res.statuses[0] == "existed":  # (the stored block stays; its size is not this file's)
         print(f"existed: {key.hex()} in namespace {args.namespace!r}, kept as it was (blocks are immutable: "
@@ -643,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("get", "put", "exists", "delete"):  # fail on a bad key before connecting
             for k in getattr(args, "keys", None) or [args.key]:
                 parse_key(k)
+        if "" in (getattr(args, "output", None), getattr(args, "file", None)):  # (-o "" wrote to stdout)
+            raise UsageError("an empty file name (give a path; for put, '-' or none reads stdin)")
         return asyncio.run(_run(args))
     except UsageError as exc:
         return _fail(said(exc), 2)

@@ -326,6 +326,34 @@ def test_a_host_name_the_resolver_cannot_take_is_refused_by_the_library_too() ->
     assert AsyncKVClient("b\u00fccher.example:7600").nodes[0].host == "b\u00fccher.example"  # (IDNA: fine)
 
 
+@pytest.mark.parametrize("addr", ["::1", "::1:7600", "[::1:7600", "::1]:7600"])
+def test_an_ipv6_address_without_brackets_is_a_usage_error(addr: str) -> None:
+    """(CLI review) ``--addr ::1`` was read as the host ':' and port 1, and failed at the resolver
+    (exit 1, "cannot connect"); ``::1:7600`` could mean either."""
+    r = cli("ping", "--addr", addr)
+    assert r.returncode == 2 and "[IPV6]:PORT" in one_error_line(r)
+    with pytest.raises(InvalidRequest, match=r"brackets"):
+        AsyncKVClient(addr)
+    assert (AsyncKVClient("[::1]:7600").nodes[0].host, AsyncKVClient("[::1]:7600").nodes[0].port) == ("::1", 7600)
+
+
+def test_files_the_get_and_put_commands_cannot_use_are_named(server, tmp_path: Path) -> None:
+    """(CLI review) ``get -o ""`` wrote the block to stdout; an error of a read or write, not of the
+    open (EIO from /proc/version), named no file."""
+    assert cli("put", KEY, "-", addr=server.addr, stdin=VALUE).returncode == 0
+    for args in (["get", KEY, "-o", ""], ["put", KEY, ""]):
+        r = cli(*args, addr=server.addr)
+        assert r.returncode == 2 and "empty file name" in one_error_line(r) and r.stdout == b""
+    r = cli("get", KEY, "-o", "/proc/version", addr=server.addr)
+    assert r.returncode == 1 and one_error_line(r).startswith("kvstore-cli: --output /proc/version: ")
+    r = cli("put", KEY, "/proc/self/mem", addr=server.addr)
+    assert r.returncode == 1 and one_error_line(r).startswith("kvstore-cli: /proc/self/mem: ")
+    r = cli("put", KEY, str(tmp_path), addr=server.addr)  # (an error of the open: named as before)
+    assert r.returncode == 1 and one_error_line(r) == f"kvstore-cli: {tmp_path}: Is a directory"
+    r = cli("get", KEY, "-o", str(tmp_path / "block"), addr=server.addr)
+    assert r.returncode == 0 and (tmp_path / "block").read_bytes() == VALUE
+
+
 def test_exit_codes_stand_when_the_reader_of_stdout_has_gone(server) -> None:
     """(CLI review) `kvstore-cli exists ... | head -1`: the broken pipe made every exit 0, so an
     exists that found a key missing said all were there. (Its review:) a watch, which ended by
