@@ -529,6 +529,8 @@ async def test_shm_calls_cancelled_at_random_points_give_their_handles_back(
                 cancelled += 1
             if cancelled >= 30 and finished >= 5:
                 break
+            if i % 50 == 49 and finished > 5 * (cancelled + 1):  # (span was measured on a slow moment)
+                span /= 2
 
         await nothing_held(probe, "every cancelled call's handle to be given back")
         assert cancelled >= 30 and kv.nodes[0].conns == [conn] and not conn.closed
