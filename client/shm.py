@@ -349,8 +349,9 @@ class GetOutcome:
 
 
 class CopyExpired(RequestTimeout):
-    """A copy out of the arena outlasted its read pins (``--lease-seconds``) and was discarded: the
-    server answered, so a halved get still asks for its other half."""
+    """A copy out of the arena outlasted its read pins (``--lease-seconds``) and was discarded, or a
+    copy into it outlasted its put's slots (``--max-lease-seconds``): the server answered, so it is
+    not quarantined, and a halved get still asks for its other half."""
 
 
 class ShmGone(TransportError):
@@ -554,7 +555,7 @@ class ShmChannel:
             try:
                 fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
             except NotFound:  # (this client commits a handle once: the server gave its slots back)
-                raise RequestTimeout(f"{self.node.addr}: the shared-memory put was not committed within the "
+                raise CopyExpired(f"{self.node.addr}: the shared-memory put was not committed within the "
                                      "server's --max-lease-seconds; its slots were given back and nothing was "
                                      "stored") from None
         return replies.statuses(fields, len(keys), "SHM_PUT/SHM_COMMIT")

@@ -139,6 +139,8 @@ def _head_buffer() -> tuple[Any, memoryview]:
 _SMALL_META = 64 << 10
 #: Maps and arrays a larger request meta may hold (requests are one map of flat fields).
 _MAX_CONTAINERS = 64
+#: What msgpack's errors that carry no text mean.
+_SILENT = {"StackError": "nested too deep", "FormatError": "a byte msgpack reserves (0xc1)"}
 
 
 class FrameReader:
@@ -317,8 +319,10 @@ class FrameReader:
                 meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
         except ProtocolError:
             raise
-        except ValueError as exc:  # (a bound of _unpack_request's, or garbage)
-            raise ProtocolError(f"bad msgpack meta: ValueError: {str(exc)[:200]}") from None
+        except ValueError as exc:  # (a bound of _unpack_request's, or garbage; msgpack's StackError and
+            # FormatError, for nesting too deep and a reserved byte, say nothing)
+            name = exc.__class__.__name__
+            raise ProtocolError(f"bad msgpack meta: {name}: {str(exc)[:200] or _SILENT.get(name, 'not msgpack')}") from None
         except Exception as exc:  # msgpack raises many types on garbage
             raise ProtocolError(f"bad msgpack meta: {exc.__class__.__name__}") from None
         if not isinstance(meta, dict):

@@ -188,7 +188,9 @@ class ShmService:
         wrote and read back the stale bytes of another namespace's freed block.
         """
         if not self.offered:
-            raise InvalidRequest("this server does not offer shared memory (it needs --unix PATH and no --no-shm)")
+            raise InvalidRequest("this server does not offer shared memory (" + (
+                "its arena could not be shared at start: see the server's log" if self.path and self.config.shm
+                else "it needs --unix PATH and no --no-shm") + ")")
         if not _same_host(session):
             raise InvalidRequest("shared memory is only for clients on the server's host")
         if not self._may_map(session):

@@ -207,6 +207,16 @@ def test_a_request_meta_of_millions_of_containers_is_refused_at_the_start(inner:
             events(FrameReader(Limits()), _request(meta[:(4 << 20)]), chunk=1 << 20)
 
 
+@pytest.mark.parametrize("meta, why", [(b"\x81\xa4keys" + b"\x91" * 2000 + b"\x00", "StackError: nested too deep"),
+                                       (b"\x81\xa4keys\xc1", "FormatError: a byte msgpack reserves")],
+                         ids=["nested", "reserved byte"])
+def test_a_meta_msgpack_refuses_without_a_word_is_refused_saying_why(meta: bytes, why: str) -> None:
+    """(coverage review) msgpack's StackError and FormatError carry no text: the refusal read
+    "bad msgpack meta: ValueError: ", naming nothing, on the wire and in the server's log."""
+    with pytest.raises(ProtocolError, match=f"^bad msgpack meta: {why}"):
+        events(FrameReader(Limits(), is_server=True), _request(meta))
+
+
 def test_a_request_array_far_over_the_batch_limit_is_a_protocol_error_and_a_little_over_too_large() -> None:
     reader = FrameReader(Limits(max_batch=16))
     (frame,) = events(reader, wire(encode(Lookup(keys=[b"k"] * (2 * 16 + 64)), 3)))

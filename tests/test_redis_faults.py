@@ -303,6 +303,26 @@ async def test_write_behind_blocks_only_in_the_queue_count_as_deleted(make_redis
     assert in_redis(redis, NS, victims) == [False] * 3
 
 
+async def test_a_delete_that_waits_too_long_on_a_write_in_flight_says_so(make_redis, make_server) -> None:
+    """(coverage review) A DELETE waits for a write of its keys already in flight, at most
+    max(--drain-seconds, 5) s; past that it was refused as "redis tier ... is unavailable ():
+    ... the server reconnects to redis on its own", with the tier up and nothing reconnecting."""
+    redis = make_redis()
+    srv = make_server("--capacity", MEM, "--redis", redis.url, "--redis-mode", "write-behind", "--drain-seconds", "1",
+                      *SLOW)
+    keys = chain(1, "in-flight")
+    async with AsyncKVClient(srv.addr, namespace=NS, retries=0, timeout=60) as kv:
+        with paused_writes(redis):
+            assert (await kv.put(keys, blocks(keys, 1000))).stored == 1
+            await until_blocked(redis)  # its SET waits
+            with pytest.raises(Unavailable, match=r"still in flight after 5 s: not deleted") as refused:
+                await kv.delete(keys)
+            assert "reconnects" not in str(refused.value) and "()" not in str(refused.value)
+            assert (await kv.stats())["tier"]["state"] == "ok"
+        assert await kv.delete(keys) == 1  # (sent again once the write has landed)
+    assert in_redis(redis, NS, keys) == [False]
+
+
 async def test_a_put_of_another_namespace_does_not_wait_for_a_flush(make_redis, make_server) -> None:
     redis = make_redis()
     srv = make_server("--capacity", MEM, "--redis", redis.url, *SLOW)

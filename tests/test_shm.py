@@ -821,9 +821,13 @@ async def test_a_put_not_committed_within_the_longest_lease_gives_its_slots_back
         assert (await kv.put(others, [data(k, 1 << 20) for k in others])).stored == 3
 
 
+@pytest.mark.parametrize("quarantine", [0.0, 5.0])
 async def test_a_put_whose_copy_outlasts_the_longest_lease_says_so(make_server: MakeServer, unix_path: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """It raised NotFound, "no open SHM_PUT with handle 1": the class of a missing key, naming a handle."""
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  quarantine: float) -> None:
+    """It raised NotFound, "no open SHM_PUT with handle 1": the class of a missing key, naming a handle.
+    (coverage review) With ``quarantine=``, that timeout also quarantined the server, which had
+    answered: the client's copy was the slow one."""
     import kvstore.client.shm as client_shm
 
     make_server("--capacity", "16MiB", "--unix", unix_path, "--lease-seconds", "1", "--max-lease-seconds", "2")
@@ -833,14 +837,16 @@ async def test_a_put_whose_copy_outlasts_the_longest_lease_says_so(make_server: 
         time.sleep(3.5)  # (the process paused mid-put: a debugger, SIGSTOP)
         return copy_in(self, locs, views)
 
-    async with AsyncKVClient("unix:" + unix_path, namespace="paused", retries=0) as kv:
+    async with AsyncKVClient("unix:" + unix_path, namespace="paused", retries=0, quarantine=quarantine) as kv:
         assert kv.nodes[0].shm is not None
         monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", paused)
         k = [key(0, "paused")]
         with pytest.raises(RequestTimeout, match="not committed within the server's --max-lease-seconds"):
             await kv.put(k, [data(k[0], 4 << 20)])
         monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", copy_in)
-        assert await kv.exists(k) == [False]
+        assert await kv.exists(k) == [False]  # (not quarantined)
+        await kv.put(k, [data(k[0], 4 << 20)])
+        assert [bytes(b) for b in await kv.get(k)] == [data(k[0], 4 << 20)]
 
 
 async def test_a_second_signal_ends_a_drain_that_waits_for_a_copy(make_server: MakeServer, unix_path: str) -> None:
@@ -913,6 +919,28 @@ async def test_only_a_client_with_the_token_can_map_the_segment(make_server: Mak
     async with AsyncKVClient(unix(unix_path), token=TOKEN, namespace="llama/a") as full:
         assert full.nodes[0].shm is not None
         assert [bytes(b) for b in await full.get([key(1, "tok")])] == [b"limited"]
+
+
+async def test_a_server_whose_arena_cannot_be_shared_serves_its_unix_socket_without_it_and_says_why(
+        make_server: MakeServer, unix_path: str) -> None:
+    """An operator's file-size limit (``ulimit -f``) below --capacity: the memfd cannot be sized, so
+    the server serves without shared memory. (coverage review) Its refusal of SHM_ATTACH said "it
+    needs --unix PATH and no --no-shm", both of which it had."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # (the server inherits it)
+    try:
+        srv = make_server("--capacity", "8MiB", "--unix", unix_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    srv.wait_log("shared memory unavailable")
+    frames, fds = raw_exchange(unix_path, Hello(), ShmAttach())
+    assert fds == [] and error_code(frames[1]) == InvalidRequest.code
+    assert "could not be shared at start" in frames[1].msg.message and "--no-shm" not in frames[1].msg.message
+    async with AsyncKVClient(unix(unix_path), namespace="nofd") as kv:
+        await kv.put([key(0, "nofd")], [b"over the socket"])
+        assert kv.nodes[0].shm is None and await kv.get([key(0, "nofd")]) == [b"over the socket"]
 
 
 async def test_shm_attach_needs_a_hello_first_without_tokens_too(make_server: MakeServer, unix_path: str) -> None:
