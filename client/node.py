@@ -272,10 +272,10 @@ class Node:
             else:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), c.connect_timeout)
             writer.close()
+        except asyncio.TimeoutError:  # (first: on Python 3.11 and later it is an OSError too)
+            return _NO_ANSWER
         except OSError:
             return None  # nothing listens: stopped
-        except asyncio.TimeoutError:
-            return _NO_ANSWER
         try:
             probe = await open_connection(self.host, self.port, namespace=c.namespace, token=c.token,
                                           tls=c.tls, limits=c.limits, timeout=c.connect_timeout,

@@ -417,7 +417,7 @@ class ShmChannel:
                     if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
                         # locations from that server would point into a different arena
                         conn.abort(TransportError("connection to another server instance than the mapped arena"))
-                        raise TransportError(f"{self.node.addr}: no connection to the server whose arena is mapped")
+                        raise NotSent(f"{self.node.addr}: no connection to the server whose arena is mapped")
                     sent = True  # (an op sends its first request before it first waits)
                     result = await op(channel, conn)
                     self.node.failures = 0

@@ -283,6 +283,52 @@ async def test_a_halved_request_whose_server_stops_answering_is_not_asked_furthe
         assert [bytes(b) for b in info.value.result[:4]] == blocks[:4]  # type: ignore[attr-defined]
 
 
+async def test_an_unpinning_read_handed_a_connection_to_an_older_server_is_sent_on_another(
+        make_server: MakeServer, unix_path: str) -> None:
+    """(coverage review) A pooled connection to the server instance before a restart (one a drain
+    kept open beside the new server's) is not used for shared memory: it is dropped and the op
+    goes to another connection. Nothing was sent on it, but an unpinning read (never sent twice)
+    failed with a TransportError there -- and quarantined the new server, which had done nothing."""
+    make_server("--capacity", "16MiB", "--unix", unix_path)
+    keys = [key(i, "older") for i in range(4)]
+    blocks = [data(k, 256 << 10) for k in keys]
+    async with AsyncKVClient(unix(unix_path), namespace="o", pool_size=2, quarantine=5.0) as kv:
+        await kv.put(keys, blocks)
+        assert await kv.lookup(keys, pin=True) == 4
+        (older,) = kv.nodes[0].conns
+        older.hello = {**older.hello, "shm": {**older.hello["shm"], "instance": "an older server's"}}
+        buffers = [bytearray(256 << 10) for _ in keys]
+        assert await kv.get_into(keys, buffers, unpin=True) == [True] * 4
+        assert [bytes(b) for b in buffers] == blocks and older.closed
+        assert (await kv.stats())["store"]["leases"] == 0 and await kv.exists(keys) == [True] * 4
+
+
+async def test_a_server_that_does_not_accept_is_not_taken_for_one_that_stopped() -> None:
+    """(coverage review) The probe that decides whether the server of a mapped arena is still there
+    (``Node._instance_now``) took a connect that timed out -- a server stalled, its accept queue
+    full -- for "nothing listens": on Python 3.11 and later ``asyncio.TimeoutError`` is an OSError,
+    and that handler came first. The client unmapped the arena of a live server and mapped it again."""
+    from kvstore.client import node as client_node
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepted: a connect or two fill its queue, later ones time out
+        port = listener.getsockname()[1]
+        waiting = []
+        try:
+            for _ in range(4):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+                waiting.append(s)
+            kv = AsyncKVClient(f"127.0.0.1:{port}", connect_timeout=0.5)  # (not connected: the probe is its own)
+            assert await kv.nodes[0]._instance_now() is client_node._NO_ANSWER
+            await kv.close()
+        finally:
+            for s in waiting:
+                s.close()
+
+
 @pytest.mark.parametrize("quarantine", [0.0, 5.0])
 async def test_a_halved_get_whose_copy_outlasted_its_pins_still_asks_the_other_halves(
         unix_path: str, monkeypatch: pytest.MonkeyPatch, quarantine: float) -> None:
