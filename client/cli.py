@@ -18,6 +18,7 @@ import ssl
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Sequence, TextIO, TypeVar
 
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("get", "fetch one block by hex key")
     sp.add_argument("key", help="the key in hex")
     out = sp.add_mutually_exclusive_group()
-    out.add_argument("--output", "-o", help="write the block here instead of stdout")
+    out.add_argument("--output", "-o", help="write the block to this file ('-': stdout, the default)")
     out.add_argument("--hex", action="store_true", help="print the block as hex")
     sp = command("put", "store one block by hex key")
     sp.add_argument("key", help="the key in hex")
@@ -445,8 +446,8 @@ async def cmd_get(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> i
     (blob,) = await kv.get([key])
     if blob is None:
         return _fail(f"key {key.hex()} not found in namespace {args.namespace!r}")
-    if args.output is not None:
-        _on_file(args.output, lambda path: path.write_bytes(blob), "--output ")
+    if args.output not in (None, "-"):
+        await _off_loop(partial(_on_file, args.output, lambda path: path.write_bytes(blob), "--output "))
     elif args.hex:
         print(bytes(blob).hex(), file=out)
     else:
@@ -461,6 +462,8 @@ def _on_file(name: str, op: Callable[[Path], T], flag: str = "") -> T:
     the open names none: ``get -o /proc/version`` said only "Input/output error")."""
     try:
         return op(Path(name))
+    except BrokenPipeError:  # (-o /dev/stdout | head -c 10: the reader has what it wanted, as without -o)
+        raise
     except OSError as exc:
         raise Failure(f"{flag}{name}: {exc.strerror or exc}") from None
 
@@ -472,15 +475,16 @@ def _open_stream(stream: TextIO | None, name: str, instead: str) -> TextIO:
     return stream
 
 
-async def _off_loop(read: Callable[[int], bytes], fd: int) -> bytes:
-    """A blocking read of stdin (its descriptor ``fd``), on a daemon thread: the event loop stays
-    free, so the first Ctrl-C ends the command (a read in the loop's thread was resumed after it:
-    only a second one did). The thread reads the descriptor, not ``sys.stdin``: a daemon thread
-    left blocked holding the buffered stream's lock aborts the interpreter at exit."""
+async def _off_loop(work: Callable[[], T]) -> T:
+    """A call that may block -- a read of stdin, the open of a FIFO no one writes -- on a daemon
+    thread: the event loop stays free, so the first Ctrl-C ends the command (a read in the loop's
+    thread was resumed after it: only a second one did). Stdin is read from its descriptor, not
+    ``sys.stdin``: a daemon thread left blocked holding the buffered stream's lock aborts the
+    interpreter at exit."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
-    def settle(result: bytes, error: BaseException | None) -> None:
+    def settle(result: Any, error: BaseException | None) -> None:
         if not done.done():
             if error is None:
                 done.set_result(result)
@@ -488,14 +492,15 @@ async def _off_loop(read: Callable[[int], bytes], fd: int) -> bytes:
                 done.set_exception(error)
 
     def run() -> None:
+        result: Any = None
         try:
-            result, error = read(fd), None
+            result, error = work(), None
         except BaseException as exc:  # (an OSError of the stream, say: raised in the command)
-            result, error = b"", exc
+            error = exc
         with contextlib.suppress(RuntimeError):  # (the loop is closed: the command ended meanwhile)
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name="kvstore-cli-stdin", daemon=True).start()
+    threading.Thread(target=run, name="kvstore-cli-io", daemon=True).start()
     return await done
 
 
@@ -516,8 +521,10 @@ def _read_line(fd: int) -> bytes:
 
 async def cmd_put(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
     key = parse_key(args.key)
-    data = (await _off_loop(_read_all, _open_stream(sys.stdin, "stdin", "give a FILE").fileno()) if args.file == "-"
-            else _on_file(args.file, Path.read_bytes))
+    if args.file == "-":
+        data = await _off_loop(partial(_read_all, _open_stream(sys.stdin, "stdin", "give a FILE").fileno()))
+    else:
+        data = await _off_loop(partial(_on_file, args.file, Path.read_bytes))
     res = await kv.put([key], [data])
     if res.statuses[0] == "existed":  # (the stored block stays; its size is not this file's)
         print(f"existed: {key.hex()} in namespace {args.namespace!r}, kept as it was (blocks are immutable: "
@@ -555,7 +562,7 @@ async def cmd_flush(kv: AsyncKVClient, args: argparse.Namespace, out: Output) ->
             what = "all blocks"
         print(f"Delete {what} of namespace {ns!r} on {args.addr}? [y/N] ", end="", file=out, flush=True)
         stdin = _open_stream(sys.stdin, "stdin", "give --yes to flush without asking").fileno()
-        answer = (await _off_loop(_read_line, stdin)).decode(errors="replace").strip().lower()
+        answer = (await _off_loop(partial(_read_line, stdin))).decode(errors="replace").strip().lower()
         if answer not in ("y", "yes"):
             print("not flushed", file=out)
             return 1

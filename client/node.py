@@ -38,10 +38,13 @@ def _parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise InvalidRequest(f"address must be 'host:port' (port 1-65535), got {addr!r}")
-    if host.startswith("[") and host.endswith("]"):
+    if "," in addr:  # (a vLLM kvstore_addr may be a comma-separated list; a client's address is one server)
+        raise InvalidRequest(f"one address per string (pass a list for several servers), got {addr!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
-    elif ":" in host or "[" in host or "]" in host:  # ("::1:7600" reads as the host ":" and port 1, or as ::1 port 7600)
-        raise InvalidRequest(f"an IPv6 address goes in brackets, as in '[::1]:7600'; got {addr!r}")
+    if "[" in host or "]" in host or (":" in host and not bracketed):  # ("::1:7600": host ':' port 1, or ::1 port 7600?)
+        raise InvalidRequest(f"an IPv6 address goes in brackets, once, as in '[::1]:7600'; got {addr!r}")
     return check_host(host, f"address {addr!r}") or "127.0.0.1", int(port)
 
 

@@ -555,9 +555,9 @@ class ShmChannel:
             try:
                 fields = (await self._request(conn, ShmCommit(handle=handle, checksums=sums))).fields
             except NotFound:  # (this client commits a handle once: the server gave its slots back)
-                raise CopyExpired(f"{self.node.addr}: the shared-memory put was not committed within the "
-                                  "server's --max-lease-seconds; its slots were given back and nothing was "
-                                  "stored") from None
+                raise CopyExpired(f"{self.node.addr}: a shared-memory put of {len(keys)} block(s) was not committed "
+                                  "within the server's --max-lease-seconds; its slots were given back and none of "
+                                  "them was stored") from None
         return replies.statuses(fields, len(keys), "SHM_PUT/SHM_COMMIT")
 
     def _copy_in(self, locs: list[Any], views: list[memoryview]) -> list[int]:

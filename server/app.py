@@ -93,6 +93,11 @@ def _make_store(config: ServerConfig) -> BlockStore:
         return make(False)
 
 
+def _shown(host: str) -> str:
+    """A host as an address names it: an IPv6 one in brackets (``[::1]:7600``, as clients take it)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _listen_error(host: str, port: int, flag: str, exc: OSError) -> StartupError:
     """An unknown or foreign host is --host's fault, the rest the port flag's."""
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
@@ -282,7 +287,7 @@ class Server:
         except BaseException:  # (a socket file left behind would read as a live server's to the next start)
             await self._close_at_once()
             raise
-        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", self.config.host,
+        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", _shown(self.config.host),
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
                  "on" if self.tls else "off", "on" if self.service.auth else "off")
 
@@ -370,7 +375,7 @@ class Server:
             port = await self.metrics.start()
         except OSError as exc:
             raise _listen_error(self.config.host, self.config.metrics_port, "--metrics-port", exc) from None
-        log.info("metrics served at http://%s:%d/metrics (health: /readyz, /healthz, /livez)", self.config.host, port,
+        log.info("metrics served at http://%s:%d/metrics (health: /readyz, /healthz, /livez)", _shown(self.config.host), port,
                  extra={"event": "metrics_started", "metrics_port": port})
 
     async def _reap_connections(self) -> None:

@@ -887,7 +887,8 @@ async def test_a_put_whose_copy_outlasts_the_longest_lease_says_so(make_server: 
         assert kv.nodes[0].shm is not None
         monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", paused)
         k = [key(0, "paused")]
-        with pytest.raises(RequestTimeout, match="not committed within the server's --max-lease-seconds"):
+        with pytest.raises(RequestTimeout, match=r"a shared-memory put of 1 block\(s\) was not committed within the "
+                                                 r"server's --max-lease-seconds; .* none of them was stored"):
             await kv.put(k, [data(k[0], 4 << 20)])
         monkeypatch.setattr(client_shm.ShmChannel, "_copy_in", copy_in)
         assert await kv.exists(k) == [False]  # (not quarantined)
