@@ -370,7 +370,8 @@ class Output:
 
 def _drop_stdout() -> None:
     """Point stdout at /dev/null: no second broken-pipe error when Python flushes it at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if sys.stdout is not None:  # (None: closed at start, ``>&-``; nothing to drop)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 async def cmd_stats(kv: AsyncKVClient, args: argparse.Namespace, out: Output) -> int:
@@ -631,7 +632,7 @@ SHOWING = ("stats", "namespaces", "watch", "get")
 
 
 async def _run(args: argparse.Namespace) -> int:
-    if sys.stdout is None and args.command in SHOWING and not getattr(args, "output", None):
+    if sys.stdout is None and args.command in SHOWING and getattr(args, "output", None) in (None, "-"):
         raise Failure("stdout is closed: " + ("give -o FILE" if args.command == "get" else
                                               f"{args.command} has nowhere to show its answer"))
     kv = make_client(args)

@@ -389,6 +389,23 @@ class ShmChannel:
         except RequestTimeout:
             raise RequestTimeout(f"{self.node.addr} did not answer within {self.client.timeout}s") from None
 
+    async def _current_conn(self) -> tuple[ClientConnection, ShmChannel]:
+        """A pooled connection to the server whose arena is mapped, with the node's channel. Pooled
+        connections to an older instance (a draining server's, kept beside its restarted
+        successor's) are dropped on the way, at no cost to the op's retries: its locations would
+        point into another arena. (Inside the op's try: a server restarting may refuse the
+        connect, as on the socket path.)"""
+        for _ in range(self.client.pool_size + 1):  # (each one dropped leaves the pool)
+            conn = await self.node.connection()
+            channel = self.node.shm
+            if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
+                raise ShmGone(f"{self.node.addr} restarted without shared memory")
+            info = conn.hello.get("shm")
+            if isinstance(info, dict) and info.get("instance") == channel.segment.instance:
+                return conn, channel
+            conn.abort(TransportError("connection to another server instance than the mapped arena"))
+        raise NotSent(f"{self.node.addr}: no connection to the server whose arena is mapped")
+
     async def _with_conn(self, op: Callable[[ShmChannel, ClientConnection], Awaitable[T]], retry: bool = True,
                          unsent: Callable[[], None] | None = None) -> T:
         """Run ``op`` on one pooled connection (handles are per connection); retry on transport
@@ -408,16 +425,7 @@ class ShmChannel:
             self.node.check_up()
             for attempt in range(1 + retries):
                 try:
-                    # (inside the try: a server restarting may refuse the connect, as on the socket path)
-                    conn = await self.node.connection()
-                    channel = self.node.shm
-                    if channel is None:  # restarted, and the new server refused to share: never touch the old mapping
-                        raise ShmGone(f"{self.node.addr} restarted without shared memory")
-                    info = conn.hello.get("shm")
-                    if not isinstance(info, dict) or info.get("instance") != channel.segment.instance:
-                        # locations from that server would point into a different arena
-                        conn.abort(TransportError("connection to another server instance than the mapped arena"))
-                        raise NotSent(f"{self.node.addr}: no connection to the server whose arena is mapped")
+                    conn, channel = await self._current_conn()
                     sent = True  # (an op sends its first request before it first waits)
                     result = await op(channel, conn)
                     self.node.failures = 0

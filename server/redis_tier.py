@@ -883,9 +883,9 @@ class RedisTier(Tier):
             try:
                 await asyncio.wait_for(self.queue.batch_done.wait(), self.flush_timeout)
             except asyncio.TimeoutError:  # (Redis may not be down: not the tier's last error, nor a reconnect)
-                raise Unavailable(f"deleted from memory, but a write of some of these blocks to redis tier "
-                                  f"{self.target} was still in flight after {self.flush_timeout:g} s: they may "
-                                  "still be in redis (send the request again later)") from None
+                raise Unavailable(f"deleted from memory but not from redis tier {self.target}: a write of some "
+                                  f"of these blocks was still in flight after {self.flush_timeout:g} s (send the "
+                                  "request again later; until then a read may find them in redis)") from None
         return {block_key(ns, key) for ns, key in dropped}
 
     def delete(self, ns: str, keys: Sequence[bytes]) -> Awaitable[int]:

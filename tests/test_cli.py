@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -376,6 +377,31 @@ def test_exit_codes_stand_when_the_reader_of_stdout_has_gone(server) -> None:
         finally:
             os.close(write)
         assert r.returncode == code and r.stderr == b"", args[0]
+
+
+def test_a_reader_of_an_output_fifo_that_leaves_early_ends_get_quietly_with_stdout_closed(server, tmp_path: Path) -> None:
+    """(fix review) The broken pipe of ``-o FIFO`` ends the command as a reader of stdout leaving
+    does; with stdout closed (``>&-``) that path dropped a stdout that was None: a traceback."""
+    with KVClient(server.addr) as kv:
+        kv.put([bytes.fromhex(KEY)], [bytes(1 << 20)])  # (over a pipe's buffer: the write meets the reader gone)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def read_one_byte() -> None:
+        with open(fifo, "rb") as f:
+            f.read(1)
+
+    reader = threading.Thread(target=read_one_byte, daemon=True)
+    reader.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    try:
+        r = subprocess.run(["bash", "-c", f'"$0" --addr {server.addr} get {KEY} -o {fifo} >&-', str(CLI)],
+                           capture_output=True, text=True, timeout=30, env=env)
+    finally:
+        if reader.is_alive():  # (the command never opened the FIFO: let the reader's open return)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 @pytest.mark.parametrize("args", [["put", KEY], ["flush", "--namespace", "ctrl-c"], ["put", KEY, "FIFO"],

@@ -336,6 +336,7 @@ def test_an_empty_namespace_is_a_usage_error_against_a_live_server(server: Serve
 @pytest.mark.parametrize(("command", "closed", "expected"), [
     ("get 01", ">&-", "stdout is closed: give -o FILE"),
     ("get 01 --hex", ">&-", "stdout is closed: give -o FILE"),  # (these exited 0, showing nothing)
+    ("get 01 -o -", ">&-", "stdout is closed: give -o FILE"),  # ('-' is stdout: a traceback, in its review)
     ("stats", ">&-", "stdout is closed: stats has nowhere to show its answer"),
     ("put 02 -", "<&-", "stdin is closed: give a FILE"),
     ("flush -n cron", "<&-", "stdin is closed: give --yes to flush without asking"),
