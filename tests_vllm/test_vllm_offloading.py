@@ -357,6 +357,40 @@ def test_flush_on_reset_also_drops_a_store_the_reset_caught_in_flight(make_engin
     assert engine.run([0, EOS_TOKEN_ID]).loaded
 
 
+def test_a_reset_whose_flush_cannot_reach_the_server_misses_until_a_flush_does(
+        make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    """(coverage review) With the server in the scheduler client's quarantine at the reset (one
+    lookup had timed out while the server stalled), no FLUSH was sent, the reset was reported done,
+    and once the quarantine ended the engine loaded KV from before the reset (the old weights')."""
+    import signal
+
+    engine = make_engine(kvstore_server.addr, kvstore_flush_on_reset=True, kvstore_timeout=0.5,
+                         kvstore_quarantine_s=1.0)
+    prompt = list(range(500, 524))
+    req = engine.new_request(prompt)
+    assert engine.run([EOS_TOKEN_ID]).stored
+    assert engine.scheduler.reset_prefix_cache()  # (the GPU's prefix cache: a hit must come from kvstore)
+    assert kvstore_server.proc is not None
+    kvstore_server.proc.send_signal(signal.SIGSTOP)  # the server stalls for a moment
+    try:
+        engine.new_request(list(range(9000, 9024)))
+        engine.step(None)  # one lookup times out: the server is quarantined
+    finally:
+        kvstore_server.proc.send_signal(signal.SIGCONT)
+    engine.run([0, EOS_TOKEN_ID])
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)  # (a weight update, say)
+    kv = KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace)
+    assert kv.exists([chunk_key(req, 0)]) == [True]  # the flush could not be sent...
+    engine.new_request(prompt)
+    assert engine.run([0, EOS_TOKEN_ID]).loaded == ()  # ... so nothing is loaded until it is
+    time.sleep(2.5)  # (past the quarantine, and the retry's pause)
+    assert engine.scheduler.reset_prefix_cache()
+    engine.new_request(prompt)
+    log = engine.run([0, EOS_TOKEN_ID])  # the flush goes through at its lookup: computed and stored anew
+    assert log.loaded == () and len(log.stored) == 6 and not engine.manager._resetting
+    kv.close()
+
+
 # --------------------------------------------------------------------------- failures
 
 

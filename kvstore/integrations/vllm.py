@@ -105,6 +105,9 @@ MIN_TRANSFER_TIMEOUT_S = 30.0
 # A server that stopped answering would cost the scheduler a timeout per request, step after step:
 # after one, its lookups miss (and stores wait) at once for this long, doubled while it stays silent.
 DEFAULT_QUARANTINE_S = 5.0
+# With kvstore_flush_on_reset, a reset whose flush could not reach the server (down, quarantined)
+# keeps every lookup missing and tries the flush again at most this often.
+FLUSH_RETRY_S = 1.0
 # vLLM answers a finished prefill before its stores run (they start at the next engine step): a
 # decode request sent on at once would find part of the prompt and compute the rest. One marked
 # do_remote_prefill waits this long for the whole chain; the scheduler asks again at every step,
@@ -431,6 +434,8 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
         self._resetting = False  # flushed on reset; jobs in flight then may still write (on_reset_flushed)
+        self._reset_settled = False  # vLLM reported those jobs done: the next flush that works ends the reset
+        self._flush_again_at = 0.0  # (monotonic) when a reset's failed flush is tried again
         self._remote_decode_dedup = remote_decode_dedup
         self._remote_prefill_wait_s = remote_prefill_wait_s
         self._known: dict[bytes, LookupResult] = {}  # this step's answers
@@ -491,7 +496,7 @@ class KVStoreOffloadingManager(OffloadingManager):
 
     # -- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self._resetting:  # (what the server has may be KV from before the reset)
+        if self._resetting and not self._end_reset():  # (what the server has may be KV from before the reset)
             return LookupResult.MISS
         wait = req_context.get_state(_PrefillWait)
         if wait is not None and not wait.over:
@@ -732,21 +737,36 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._release_step_pins()
         self._storing.clear()  # vLLM drops the jobs in flight: no complete_store will come
         if self._flush_on_reset:
-            self._resetting = True
+            self._resetting, self._reset_settled = True, False
             self._flush()
 
     def on_reset_flushed(self) -> None:
         """vLLM: every job in flight at the last reset has been reported; none writes any more."""
         if self._resetting:
-            self._resetting = False
-            self._known.clear()
-            self._flush()
+            self._reset_settled, self._flush_again_at = True, 0.0
+            self._end_reset()
 
-    def _flush(self) -> None:
+    def _end_reset(self) -> bool:
+        """Once vLLM has reported the jobs the reset caught, flush again; the reset ends with a flush
+        that went through. A server that could not be asked (down, in the client's quarantine)
+        keeps the blocks from before the reset: lookups miss until a flush works, tried again at
+        most every FLUSH_RETRY_S. Whether the reset is over."""
+        if not self._reset_settled or time.monotonic() < self._flush_again_at:
+            return False
+        if not self._flush():
+            self._flush_again_at = time.monotonic() + FLUSH_RETRY_S
+            return False
+        self._resetting = False
+        self._known.clear()
+        return True
+
+    def _flush(self) -> bool:
         try:
             self._client.flush()
         except KVStoreError as exc:
             logger.warning("kvstore: could not flush namespace %s: %s", self._client.namespace, exc)
+            return False
+        return True
 
     def shutdown(self) -> None:
         self._release_step_pins()
