@@ -565,6 +565,8 @@ def test_a_load_that_fails_ends_its_request_under_the_fail_policy(make_engine: C
     engine = make_engine(kvstore_server.addr, load_failure_policy="fail", **extra)
     prompt = list(range(800, 824))
     undo = _stored_then_lost(engine, kvstore_server.addr, prompt)
+    lines = _Lines()
+    logging.getLogger("kvstore.integrations.vllm").addHandler(lines)
     try:
         failed = engine.new_request(prompt + [5, 6])
         for _ in range(10):
@@ -573,7 +575,11 @@ def test_a_load_that_fails_ends_its_request_under_the_fail_policy(make_engine: C
                 break
     finally:
         undo()
+        logging.getLogger("kvstore.integrations.vllm").removeHandler(lines)
     assert failed.status == RequestStatus.FINISHED_ERROR
+    if not sync_load:  # (coverage review: the warning said the request "computes what it did not load")
+        assert [line for line in lines.lines if "ends with an error (kv_load_failure_policy 'fail')" in line]
+        assert not [line for line in lines.lines if "computes what it did not load" in line]
     engine.new_request(list(range(900, 912)))  # the engine goes on
     assert engine.run([EOS_TOKEN_ID]).stored == (0, 1, 2)
 

@@ -1204,10 +1204,12 @@ class KVStoreConnector(OffloadingConnector):
         sending, recving = self.get_finished(finished_req_ids)
         done = {job: req for job, req in loads.items() if job not in cw._load_jobs}
         failed: set[str] = set()
+        fails = self._vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
         for job, block_ids in worker.take_failed_loads(done).items():
             req = done[job]
             logger.warning("kvstore: load job %d failed: %s", job,
-                           f"request {req} computes what it did not load" if req is not None else
+                           f"request {req} " + ("ends with an error (kv_load_failure_policy 'fail')" if fails else
+                                                "computes what it did not load") if req is not None else
                            f"{len(block_ids)} GPU blocks reported to vLLM as not loaded")
             if req is not None:
                 failed.add(req)
