@@ -15,7 +15,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Collection, NoReturn, Sequence, TypeVar
 
 import xxhash
 
@@ -705,11 +705,23 @@ class AsyncKVClient:
         """Drop one lease per key (from ``lookup(pin=True)``); returns how many were dropped."""
         return await self._count(_checked_keys(keys), lambda sub: Unpin(keys=sub), idempotent=False)
 
-    async def flush(self, namespace: str | None = None) -> int:
-        """Delete every block of a namespace (this client's when None) on every server."""
+    async def flush(self, namespace: str | None = None, *, servers: Collection[str] | None = None) -> int:
+        """Delete every block of a namespace (this client's when None) on every server (``servers``:
+        on those of this client's addresses only). When a server fails, the error raised (the
+        first's) carries ``.result``, ``{address: blocks deleted}`` of the servers flushed, and
+        ``.errors``, ``{address: error}``: a flush can be sent again where it failed."""
         ns = self.namespace if namespace is None else _namespace(namespace)  # ("" would mean the own one)
-        resps = await asyncio.gather(*(n.call(Flush(namespace=ns), idempotent=True) for n in self.nodes))
-        return sum(replies.count(r.fields, "n") for r in resps)
+        nodes = [n for n in self.nodes if servers is None or n.addr in servers]
+        resps = await asyncio.gather(*(n.call(Flush(namespace=ns), idempotent=True) for n in nodes),
+                                     return_exceptions=True)
+        errors = {n.addr: r for n, r in zip(nodes, resps) if isinstance(r, BaseException)}
+        counts = {n.addr: replies.count(r.fields, "n") for n, r in zip(nodes, resps) if not isinstance(r, BaseException)}
+        if errors:
+            first = next(iter(errors.values()))
+            if isinstance(first, KVStoreError):
+                first.result, first.errors = counts, errors  # type: ignore[attr-defined]
+            raise first
+        return sum(counts.values())
 
     async def stats(self) -> dict[str, Any]:
         """The server's statistics; with several servers, ``{"servers": {addr: stats}}``, and

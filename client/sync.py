@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Collection, Coroutine, Sequence, TypeVar
 
 from kvstore.errors import TransportError
 
@@ -246,8 +246,8 @@ class KVClient:
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self._runner.run(lambda: self._aio.unpin(keys))
 
-    def flush(self, namespace: str | None = None) -> int:
-        return self._runner.run(lambda: self._aio.flush(namespace))
+    def flush(self, namespace: str | None = None, *, servers: Collection[str] | None = None) -> int:
+        return self._runner.run(lambda: self._aio.flush(namespace, servers=servers))
 
     def stats(self) -> dict[str, Any]:
         return self._runner.run(lambda: self._aio.stats())

@@ -163,3 +163,28 @@ async def test_exists_and_stats_answer_from_the_servers_that_answer(make_server)
             await kv.exists(keys)  # no server answered
         with pytest.raises(TransportError):
             await kv.stats()
+
+
+async def test_a_flush_that_fails_on_a_server_says_where_and_can_be_sent_there_alone(make_server) -> None:
+    """(vLLM flush-on-reset review) A flush over several servers raised the first failure, saying
+    neither which servers it had reached nor letting a retry skip them: the adapter's retries
+    emptied the servers that had taken the flush, again and again."""
+    from kvstore.errors import TransportError
+
+    servers = [make_server("--capacity", MEM) for _ in range(3)]
+    addrs = [s.addr for s in servers]
+    keys = chain(30, "flush")
+    async with AsyncKVClient(addrs, namespace="fl", retries=0, connect_timeout=2) as kv:
+        await kv.put(keys, [k * 10 for k in keys])
+        servers[1].stop()
+        with pytest.raises(TransportError) as failed:
+            await kv.flush()
+        assert list(failed.value.errors) == [addrs[1]]  # type: ignore[attr-defined]
+        assert sorted(failed.value.result) == sorted([addrs[0], addrs[2]])  # type: ignore[attr-defined]
+        assert sum(failed.value.result.values()) == sum(Ring(addrs).node_of(k) != 1 for k in keys)  # type: ignore[attr-defined]
+        after = [next(k for k in keys if Ring(addrs).node_of(k) != 1)]  # (on a server that is up)
+        await kv.put(after, [b"after"])
+        with pytest.raises(TransportError):
+            await kv.flush(servers=[addrs[1]])  # the server that failed, alone
+        assert await kv.exists(after) == [True]  # (the others were not flushed again)
+        assert await kv.flush(servers=[addrs[0], addrs[2]]) == 1

@@ -391,6 +391,24 @@ def test_a_reset_whose_flush_cannot_reach_the_server_misses_until_a_flush_does(
     kv.close()
 
 
+def test_a_pending_reset_flushes_again_only_the_server_that_missed_it(make_engine: Callable[..., Engine],
+                                                                       kvstore_server: ServerProcess) -> None:
+    """(its review) Over two servers, one down at the reset: the flush was tried again on both about
+    once a second, so what anyone stored on the one that had taken it -- KV from after the reset,
+    a prefill's chain for its decode node -- lasted a second at most."""
+    down = nothing_listens()
+    engine = make_engine(f"{kvstore_server.addr},{down}", kvstore_flush_on_reset=True)
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    with KVClient(kvstore_server.addr, namespace=engine.manager.client.namespace) as live:
+        live.put([b"after the reset".ljust(32, b".")], [b"kv"])
+        for i in range(4):  # (the retries: after 1 s, then 2 s)
+            engine.new_request(list(range(7000 + 100 * i, 7024 + 100 * i)))
+            assert engine.run([0, EOS_TOKEN_ID]).loaded == ()
+            time.sleep(0.8)
+        assert live.exists([b"after the reset".ljust(32, b".")]) == [True]
+        assert engine.manager._resetting and engine.manager._unflushed == {down}
+
+
 # --------------------------------------------------------------------------- failures
 
 

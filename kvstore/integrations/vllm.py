@@ -105,9 +105,12 @@ MIN_TRANSFER_TIMEOUT_S = 30.0
 # A server that stopped answering would cost the scheduler a timeout per request, step after step:
 # after one, its lookups miss (and stores wait) at once for this long, doubled while it stays silent.
 DEFAULT_QUARANTINE_S = 5.0
-# With kvstore_flush_on_reset, a reset whose flush could not reach the server (down, quarantined)
-# keeps every lookup missing and tries the flush again at most this often.
+# With kvstore_flush_on_reset, a reset whose flush could not reach a server (down, quarantined)
+# keeps every lookup missing and tries the flush again there after this long, doubled each time
+# it fails again up to FLUSH_RETRY_MAX_S (a server whose Redis tier is down empties its memory
+# at every try: what was stored there since is lost each time).
 FLUSH_RETRY_S = 1.0
+FLUSH_RETRY_MAX_S = 30.0
 # vLLM answers a finished prefill before its stores run (they start at the next engine step): a
 # decode request sent on at once would find part of the prompt and compute the rest. One marked
 # do_remote_prefill waits this long for the whole chain; the scheduler asks again at every step,
@@ -435,7 +438,9 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._flush_on_reset = flush_on_reset
         self._resetting = False  # flushed on reset; jobs in flight then may still write (on_reset_flushed)
         self._reset_settled = False  # vLLM reported those jobs done: the next flush that works ends the reset
-        self._flush_again_at = 0.0  # (monotonic) when a reset's failed flush is tried again
+        self._unflushed: Collection[str] | None = None  # servers that flush still has to reach (None: all)
+        self._flush_again_at = 0.0  # (monotonic) when a reset's failed flush is tried again ...
+        self._flush_pause = FLUSH_RETRY_S  # ... and how long after the next failure
         self._remote_decode_dedup = remote_decode_dedup
         self._remote_prefill_wait_s = remote_prefill_wait_s
         self._known: dict[bytes, LookupResult] = {}  # this step's answers
@@ -738,35 +743,41 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._storing.clear()  # vLLM drops the jobs in flight: no complete_store will come
         if self._flush_on_reset:
             self._resetting, self._reset_settled = True, False
-            self._flush()
+            self._flush(None)
 
     def on_reset_flushed(self) -> None:
         """vLLM: every job in flight at the last reset has been reported; none writes any more."""
         if self._resetting:
-            self._reset_settled, self._flush_again_at = True, 0.0
+            self._reset_settled, self._unflushed = True, None
+            self._flush_again_at, self._flush_pause = 0.0, FLUSH_RETRY_S
             self._end_reset()
 
     def _end_reset(self) -> bool:
-        """Once vLLM has reported the jobs the reset caught, flush again; the reset ends with a flush
-        that went through. A server that could not be asked (down, in the client's quarantine)
-        keeps the blocks from before the reset: lookups miss until a flush works, tried again at
-        most every FLUSH_RETRY_S. Whether the reset is over."""
+        """Once vLLM has reported the jobs the reset caught, flush again; the reset ends once every
+        server took that flush. A server that could not be asked (down, in the client's
+        quarantine) keeps the blocks from before the reset: lookups miss until it takes one,
+        tried again there only (what the others stored since is KV from after the reset), after
+        FLUSH_RETRY_S, doubled at each failure. Whether the reset is over."""
         if not self._reset_settled or time.monotonic() < self._flush_again_at:
             return False
-        if not self._flush():
-            self._flush_again_at = time.monotonic() + FLUSH_RETRY_S
+        self._unflushed = self._flush(self._unflushed)
+        if self._unflushed is None or self._unflushed:
+            self._flush_again_at = time.monotonic() + self._flush_pause
+            self._flush_pause = min(2 * self._flush_pause, FLUSH_RETRY_MAX_S)
             return False
         self._resetting = False
         self._known.clear()
         return True
 
-    def _flush(self) -> bool:
+    def _flush(self, servers: Collection[str] | None) -> Collection[str] | None:
+        """Flush the namespace on ``servers`` (None: all); the addresses it failed on (None: all)."""
         try:
-            self._client.flush()
+            self._client.flush(servers=servers)
         except KVStoreError as exc:
             logger.warning("kvstore: could not flush namespace %s: %s", self._client.namespace, exc)
-            return False
-        return True
+            failed: Collection[str] | None = getattr(exc, "errors", None)  # (the client says where, when it can)
+            return set(failed) if failed else servers
+        return ()
 
     def shutdown(self) -> None:
         self._release_step_pins()
