@@ -707,11 +707,19 @@ class AsyncKVClient:
 
     async def flush(self, namespace: str | None = None, *, servers: Collection[str] | None = None) -> int:
         """Delete every block of a namespace (this client's when None) on every server (``servers``:
-        on those of this client's addresses only). When a server fails, the error raised (the
-        first's) carries ``.result``, ``{address: blocks deleted}`` of the servers flushed, and
-        ``.errors``, ``{address: error}``: a flush can be sent again where it failed."""
+        on those only, an address or several, as this client was given them; others are refused).
+        When a server fails, the error raised (the first's) carries ``.result``, ``{address:
+        blocks deleted}`` of the servers flushed, and ``.errors``, ``{address: error}``: a flush
+        can be sent again where it failed."""
         ns = self.namespace if namespace is None else _namespace(namespace)  # ("" would mean the own one)
-        nodes = [n for n in self.nodes if servers is None or n.addr in servers]
+        nodes = self.nodes
+        if servers is not None:
+            wanted = {servers} if isinstance(servers, str) else set(servers)  # (one address, as addr= takes it)
+            unknown = wanted - {n.addr for n in nodes}
+            if unknown:  # (a typo, or another spelling of a server, would flush nothing and say 0)
+                raise InvalidRequest(f"servers: not addresses of this client: {sorted(unknown)} (it has "
+                                     f"{[n.addr for n in nodes]})")
+            nodes = [n for n in nodes if n.addr in wanted]
         resps = await asyncio.gather(*(n.call(Flush(namespace=ns), idempotent=True) for n in nodes),
                                      return_exceptions=True)
         errors = {n.addr: r for n, r in zip(nodes, resps) if isinstance(r, BaseException)}

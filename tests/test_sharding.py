@@ -10,6 +10,7 @@ import pytest
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.sharding import Ring
 from kvstore.errors import InvalidRequest, KVStoreError
+from shm_helpers import unix_path  # noqa: F401  (a fixture)
 
 MEM = "16MiB"
 
@@ -188,3 +189,29 @@ async def test_a_flush_that_fails_on_a_server_says_where_and_can_be_sent_there_a
             await kv.flush(servers=[addrs[1]])  # the server that failed, alone
         assert await kv.exists(after) == [True]  # (the others were not flushed again)
         assert await kv.flush(servers=[addrs[0], addrs[2]]) == 1
+        # (its review) one address as a string is that server (a substring test took "h:80" in
+        # "h:8080"); an address the client does not have is refused, not taken as nothing to flush
+        await kv.put(after, [b"again"])
+        other = [a for a in (addrs[0], addrs[2]) if Ring(addrs).node_of(after[0]) != addrs.index(a)][0]
+        assert await kv.flush(servers=other) == 0 and await kv.exists(after) == [True]
+        for unknown in (["127.0.0.1:1"], [addrs[0].replace("127.0.0.1", "localhost")]):
+            with pytest.raises(InvalidRequest, match="not addresses of this client"):
+                await kv.flush(servers=unknown)
+        assert await kv.exists(after) == [True]
+
+
+async def test_a_flush_given_one_address_as_a_string_flushes_that_server_only(make_server, unix_path: str) -> None:
+    """(review) servers="unix:/p/kv.sock2" was taken as a collection of characters, so the address
+    "unix:/p/kv.sock" -- in it as a substring -- was flushed too."""
+    paths = [unix_path, unix_path + "2"]
+    for path in paths:
+        make_server("--capacity", MEM, "--unix", path)
+    addrs = [f"unix:{path}" for path in paths]
+    keys = chain(20, "one")
+    async with AsyncKVClient(addrs, namespace="fl1", retries=0, shm=False) as kv:
+        await kv.put(keys, [k * 10 for k in keys])
+        ring = Ring(addrs)
+        on_first = [ring.node_of(k) == 0 for k in keys]
+        assert 0 < sum(on_first) < len(keys)
+        assert await kv.flush(servers=addrs[1]) == len(keys) - sum(on_first)
+        assert await kv.exists(keys) == on_first
