@@ -437,7 +437,7 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset
         self._resetting = False  # flushed on reset; jobs in flight then may still write (on_reset_flushed)
-        self._reset_settled = False  # vLLM reported those jobs done: the next flush that works ends the reset
+        self._reset_settled = False  # vLLM reported those jobs done: the reset ends once every server took a flush
         self._unflushed: Collection[str] | None = None  # servers that flush still has to reach (None: all)
         self._flush_again_at = 0.0  # (monotonic) when a reset's failed flush is tried again ...
         self._flush_pause = FLUSH_RETRY_S  # ... and how long after the next failure
