@@ -1,4 +1,4 @@
-"""Options both ends set on a new connection's socket."""
+"""Options both ends set on a new connection's socket, and how an address is written."""
 
 from __future__ import annotations
 
@@ -24,3 +24,8 @@ def tune(sock: Any) -> None:
         with contextlib.suppress(OSError):  # a socket that refuses the option works as it is
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 2 * UNIX_SNDBUF:  # (reported doubled)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
+
+
+def bracketed(host: str) -> str:
+    """A host as ``host:port`` names it: an IPv6 one in brackets (``[::1]:7600``, the form clients take)."""
+    return f"[{host}]" if ":" in host else host

@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 from kvstore.config import ServerConfig, format_size
+from kvstore.sockets import bracketed
 from kvstore.store import BlockStore
 
 from .auth import EncryptedKey, TokenTable, server_tls_context, warn_if_exposed
@@ -91,11 +92,6 @@ def _make_store(config: ServerConfig) -> BlockStore:
     except OSError as exc:  # no memfd here: the Unix socket still works, without shm
         log.warning("shared memory unavailable (%s): the Unix socket will serve without it", exc)
         return make(False)
-
-
-def _shown(host: str) -> str:
-    """A host as an address names it: an IPv6 one in brackets (``[::1]:7600``, as clients take it)."""
-    return f"[{host}]" if ":" in host else host
 
 
 def _listen_error(host: str, port: int, flag: str, exc: OSError) -> StartupError:
@@ -287,7 +283,7 @@ class Server:
         except BaseException:  # (a socket file left behind would read as a live server's to the next start)
             await self._close_at_once()
             raise
-        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", _shown(self.config.host),
+        log.info("kvstore-server listening on %s:%d capacity=%s eviction=%s tls=%s auth=%s", bracketed(self.config.host),
                  self.port, format_size(self.store.stats()["capacity"]), self.config.eviction,
                  "on" if self.tls else "off", "on" if self.service.auth else "off")
 
@@ -375,7 +371,7 @@ class Server:
             port = await self.metrics.start()
         except OSError as exc:
             raise _listen_error(self.config.host, self.config.metrics_port, "--metrics-port", exc) from None
-        log.info("metrics served at http://%s:%d/metrics (health: /readyz, /healthz, /livez)", _shown(self.config.host), port,
+        log.info("metrics served at http://%s:%d/metrics (health: /readyz, /healthz, /livez)", bracketed(self.config.host), port,
                  extra={"event": "metrics_started", "metrics_port": port})
 
     async def _reap_connections(self) -> None:

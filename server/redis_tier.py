@@ -53,6 +53,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.config import ServerConfig, format_size
 from kvstore.errors import Unavailable
+from kvstore.sockets import bracketed
 from kvstore.throttle import ThrottledLog
 
 from .redis_client import client_for
@@ -319,7 +320,7 @@ class RedisTier(Tier):
         answers = await asyncio.gather(*(plain(node) for node in seeds))  # (at once: a seed may hang)
         for node, is_plain in zip(seeds, answers):
             if is_plain:
-                return f"[{node.host}]:{node.port}" if ":" in str(node.host) else f"{node.host}:{node.port}"
+                return f"{bracketed(str(node.host))}:{node.port}"
         return None
 
     async def _read_bulk_limit(self) -> None:

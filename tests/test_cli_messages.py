@@ -460,7 +460,7 @@ def test_the_server_names_an_ipv6_host_in_brackets() -> None:
     """(fix review) The server logged ``listening on ::1:7600`` (and ``http://::1:9600/metrics``), a
     form clients refuse, as ambiguous, since they take only ``[::1]:7600``. (Tests bind 127.0.0.1 only:
     the formatting is checked here.)"""
-    from kvstore.server.app import _shown
+    from kvstore.sockets import bracketed as _shown
 
     assert (_shown("::1"), _shown("fe80::1%eth0"), _shown("127.0.0.1"), _shown("localhost")) == (
         "[::1]", "[fe80::1%eth0]", "127.0.0.1", "localhost")
