@@ -417,7 +417,10 @@ def test_the_first_ctrl_c_ends_a_command_waiting_on_stdin(server, args: list[str
         kv.put([bytes.fromhex(KEY)], [b"v"])
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")} | {"KVSTORE_ADDR": server.addr}
         with subprocess.Popen([str(CLI), *args], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=env) as proc:  # (stdin left open: it waits)
+                              stderr=subprocess.DEVNULL, env=env,  # (stdin left open: it waits)
+                              # (as from a terminal: a test run started in the background, `(cmd &)`,
+                              # hands its children SIGINT ignored, which a command keeps, as it should)
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
             try:
                 deadline = time.monotonic() + 20
                 while kv.stats()["connections"] < 2:  # the command is connected: it reads stdin next
