@@ -832,7 +832,7 @@ async def test_a_lookup_does_not_wait_to_give_back_the_leases_of_a_server_that_f
 
 async def test_a_server_restarted_with_smaller_limits_gets_requests_cut_to_them(make_server: MakeServer) -> None:
     """The first call after the restart was cut to the old server's limits: TooLarge ("batch of 10
-    keys is over the limit of 4"), where README promises a call too big for one request goes out
+    keys is over the limit of 4"), where docs/client.md promises a call too big for one request goes out
     as several."""
     first = make_server("--capacity", "8MiB")
     keys = [key(i, "smaller-limits") for i in range(10)]
