@@ -4,7 +4,7 @@ A server that sleeps in ``epoll_wait`` between requests is woken by the kernel
 for each one. On a virtual machine that wake-up, and the cold caches after it,
 cost more than a small request itself (measured on the 2-vCPU benchmark host:
 a single 64 KiB GET took 165-260 us round trip with the server sleeping between
-requests, 115-170 us with a 200 us window; docs/performance.md). The same idea as
+requests, 115-170 us with a 200 us window; docs/perf/journal.md, "Busy polling"). The same idea as
 Linux's ``net.core.busy_poll`` and Seastar's ``--idle-poll-time-us``: keep
 polling, without blocking, for a while after work, so the next request of a busy
 client is read at once. An idle server still sleeps: the window closes

@@ -176,7 +176,7 @@ def test_copy_probe_reports_both_kinds_and_directions_for_each_size(capsys) -> N
 
 def test_the_paged_bench_moves_a_cache_through_both_transports_and_reports_every_op(tmp_path: Path,
                                                                                     capsys) -> None:  # type: ignore[no-untyped-def]
-    """On CPU tensors here (tests_gpu and docs/performance.md: the same on a GPU); each store and
+    """On CPU tensors here (tests_gpu and docs/perf/journal.md, "From GPU memory": the same on a GPU); each store and
     load asserts every block stored or found, so a run that finishes moved them all."""
     pytest.importorskip("torch")
     from kvstore.bench import paged
