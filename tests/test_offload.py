@@ -227,6 +227,21 @@ def test_a_refused_on_alloc_changes_nothing() -> None:
     assert load is not None and len(load.keys) == 2
 
 
+def test_finds_beyond_what_the_engine_takes_after_a_gpu_hit_are_all_unused() -> None:
+    """A GPU prefix hit of one offloaded block, four more found in the store, and the engine takes
+    one of them: the other three are unused (with pinning lookups their leases are dropped). Only
+    the last of them was reported -- the offset counted from the GPU hit -- and the leases of the
+    others held those blocks until the server's lease time."""
+    s = make()
+    s.keep_unused = True
+    s.add_request("r", range(5 * OFF_BS + 1))
+    keys = s.keys("r")
+    assert s.num_external_tokens("r", OFF_BS, hits(4)) == 4 * OFF_BS  # block 0 on the GPU; 1..4 found
+    load = s.on_alloc("r", gpu_blocks(2 * FACTOR + 1), OFF_BS)  # the engine takes block 1 only
+    assert load is not None and load.keys == tuple(keys[1:2])
+    assert s.take_unused() == keys[2:5]
+
+
 def test_on_alloc_again_without_preempt_waits_for_stores_from_the_blocks_it_replaces() -> None:
     s, store = storing_six_blocks()
     with pytest.raises(ValueError, match="in flight"):

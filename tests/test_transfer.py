@@ -317,6 +317,32 @@ def test_a_store_that_cannot_be_reached_is_a_miss_not_an_error_in_the_scheduling
         kv.close()
 
 
+def test_a_load_that_finds_only_some_of_its_blocks_writes_nothing_and_deletes_nothing() -> None:
+    """A block evicted between the lookup and the load (no pin): the load fails as a miss, before
+    any payload is scattered, and the blocks it did find stay (they are fine). Scattered, the
+    missing block's payload would be whatever the fresh buffer held -- a payload of an earlier
+    load, in memory the allocator handed out again, would pass its header check."""
+    from kvstore.client import KVClient
+    from kvstore.server.process import ServerProcess
+
+    hasher, prompt = BlockHasher(8), list(range(24))
+    keys = hasher.keys(prompt)
+    src = make_caches(torch.float32, 1)
+    with ServerProcess("--capacity", "16MiB") as srv, KVClient(srv.addr, namespace="gap") as kv:
+        kv.put(keys, [bytes(p.numpy()) for p in PagedKVTransfer(src, 2).gather(list(range(6)))])
+        dst = make_caches(torch.float32, 1, "zeros")
+        sched = OffloadScheduler(hasher, 4)
+        ex = TransferExecutor(kv, PagedKVTransfer(dst, 2), sched)
+        sched.add_request("r", prompt + [1])
+        assert sched.num_external_tokens("r", 0, ex.lookup) == 24
+        load = sched.on_alloc("r", list(range(7)), 24)
+        assert load is not None
+        kv.delete([keys[1]])
+        assert ex.load(load) is False
+        assert not any(d.any() for d in dst)
+        assert kv.exists(keys) == [True, False, True]
+
+
 def put_with_a_wrong_checksum(addr: str, ns: str, keys: list[bytes], blocks: list[bytes], bad: int) -> None:
     """A PUT whose checksum of block ``bad`` does not match its bytes: a block corrupted on its way."""
     import socket
@@ -341,7 +367,7 @@ def put_with_a_wrong_checksum(addr: str, ns: str, keys: list[bytes], blocks: lis
                 replies += 1
 
 
-@pytest.mark.parametrize("damage", ["checksum", "layout"])
+@pytest.mark.parametrize("damage", ["checksum", "layout", "same size, another layout"])
 def test_a_block_that_cannot_be_loaded_is_deleted_so_the_recomputed_prefix_is_stored(damage: str) -> None:
     """A stored block the engine cannot load (corrupted; another engine's layout in the namespace)
     failed every load of its prefix for good: each lookup offered it, and the recomputed prefix's
@@ -359,8 +385,10 @@ def test_a_block_that_cannot_be_loaded_is_deleted_so_the_recomputed_prefix_is_st
             put_with_a_wrong_checksum(srv.addr, "bad", keys, payloads, bad=1)
             with pytest.raises(IntegrityError):
                 kv.get(keys)
-        else:  # the same prompt's blocks from an engine whose cache is float16
-            other = PagedKVTransfer(make_caches(torch.float16, 1), 2)
+        else:  # the same prompt's blocks from an engine whose cache is float16 (another payload size),
+            # or of the same shape whose bytes mean something else (its layout_tag: fp8 against int8, say)
+            other = PagedKVTransfer(make_caches(torch.float16, 1), 2) if damage == "layout" else \
+                PagedKVTransfer(make_caches(torch.float32, 1), 2, layout_tag="another engine")
             kv.put(keys, [bytes(p.numpy()) for p in other.gather([0, 1, 2, 3])])
         dst = make_caches(torch.float32, 1, "zeros")
         sched = OffloadScheduler(hasher, 4)
