@@ -412,6 +412,25 @@ def test_arc_removed_and_stranded_keys_leave_no_ghost() -> None:
     assert drain(arc) == ["c", "a", "b"]
 
 
+def test_arc_remembers_a_cache_worth_of_evicted_frequent_keys() -> None:
+    """B2 (ghosts of keys evicted from T2) holds up to the cache's size, as in the paper (resident
+    and ghost keys together at most twice it): a frequent key evicted within the last c evictions
+    is recognised when it comes back, which is how ARC learns to favour frequency."""
+    arc = ARCPolicy[str]()
+    c = 8
+    evicted = []
+    for i in range(5 * c):
+        if len(arc) == c:
+            evicted.append(arc.evict(NONE))
+        arc.add(f"k{i}")
+        arc.touch([f"k{i}"])  # every key read again: all of them live in T2
+    b1, b2 = arc.ghosts()
+    assert b1 == 0 and c <= b2 and len(arc) + b2 <= 2 * c + 1
+    for n, key in enumerate(reversed(evicted[-c:]), 1):  # the last c evicted: each a ghost hit
+        arc.add(key)
+        assert arc.ghosts() == (0, b2 - n), key
+
+
 def test_arc_ghost_lists_stay_bounded() -> None:
     arc = ARCPolicy[str]()
     for i in range(10):

@@ -680,6 +680,23 @@ def test_acquire_pins_until_release_and_leases_keep_their_time(policy: str, cloc
     assert present(store, [2, 3, 4]) == [4]
 
 
+def test_a_block_leased_while_it_is_read_counts_as_pinned_once(policy: str, clock: FakeClock) -> None:
+    """A lease taken on a block a read holds, the read released, the lease dropped: the block is
+    unpinned and its room can be taken (it counted pinned twice, once for good: the store saw
+    fewer evictable pages until full puts were refused)."""
+    store = make(policy, 2, clock)
+    put_batch(store, [0])
+    ref = store.acquire(NS, k(0))
+    assert store.lookup(NS, [k(0)], pin=True) == 1
+    assert store.stats()["pinned_blocks"] == 1
+    store.release(ref)
+    assert store.stats()["pinned_blocks"] == 1  # (the lease still holds it)
+    assert store.unpin(NS, [k(0)]) == 1
+    assert store.stats()["pinned_blocks"] == 0
+    put_batch(store, [1], size=2 * PS)  # the whole store: [0] is evicted, as any unpinned block
+    assert present(store, [0, 1]) == [1]
+
+
 def test_a_read_does_not_extend_leases(policy: str, clock: FakeClock) -> None:
     """A lease ends at its time (or at UNPIN). Leases belong to no reader, so a read that
     renewed them kept the leases of clients long gone alive while anyone read the block."""
