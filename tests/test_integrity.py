@@ -43,15 +43,22 @@ async def expect_corrupt(kv: AsyncKVClient, keys: list[bytes], bad: int, blocks:
 # ---------------------------------------------------------------- corrupted in the server's memory
 
 
-async def test_block_corrupted_in_server_memory_is_caught_on_every_path(make_server: MakeServer, unix_path: str) -> None:
+@pytest.mark.parametrize("put_via", ["tcp", "shm"])
+async def test_block_corrupted_in_server_memory_is_caught_on_every_path(make_server: MakeServer, unix_path: str,
+                                                                         put_via: str) -> None:
+    """Whichever way the block came in (a put through shared memory hashes as it copies) and
+    whichever way it goes out. With verify=False, on every path, the bytes come back unchecked."""
     srv = make_server("--capacity", "16MiB", "--unix", unix_path)
     keys = [key(i, "mem") for i in range(4)]
     blocks = [data(k, 200_000) for k in keys]
     async with AsyncKVClient(srv.addr, namespace=NS) as tcp, \
             AsyncKVClient(f"unix:{unix_path}", namespace=NS) as shm, \
             AsyncKVClient(f"unix:{unix_path}", namespace=NS, shm=False) as sock, \
-            AsyncKVClient(f"unix:{unix_path}", namespace=NS, verify=False) as unchecked:
-        await tcp.put(keys, blocks)
+            AsyncKVClient(f"unix:{unix_path}", namespace=NS, verify=False) as unchecked, \
+            AsyncKVClient(srv.addr, namespace=NS, verify=False) as unchecked_tcp, \
+            AsyncKVClient(f"unix:{unix_path}", namespace=NS, shm=False, verify=False) as unchecked_sock:
+        await (tcp if put_via == "tcp" else shm).put(keys, blocks)
+        assert (await shm.stats())["shm"]["puts"] == int(put_via == "shm")
         # Corrupt block 2 in place, through the shared mapping (as a stray write or bad RAM would).
         conn, fields = await shm_locate(shm, [keys[2]])
         offset, _ = fields["locs"][0][0]
@@ -60,8 +67,9 @@ async def test_block_corrupted_in_server_memory_is_caught_on_every_path(make_ser
         assert await shm_release(conn, fields["handle"])
         for kv in (tcp, shm, sock):
             await expect_corrupt(kv, keys, 2, blocks)
-        got = await unchecked.get(keys)  # verify=False: the bytes as stored -- so it *was* the check that caught it
-        assert got[2] is not None and bytes(got[2]) != blocks[2] and bytes(got[2])[12345] == blocks[2][12345] ^ 0xFF
+        for kv in (unchecked, unchecked_tcp, unchecked_sock):  # the bytes as stored: it *was* the check that caught it
+            got = await kv.get(keys)
+            assert got[2] is not None and bytes(got[2]) != blocks[2] and bytes(got[2])[12345] == blocks[2][12345] ^ 0xFF
         assert (await tcp.stats())["store"]["pinned_blocks"] == 0
 
 
