@@ -108,3 +108,15 @@ def test_a_block_larger_than_the_whole_store_is_too_large_not_a_full_store(kv: K
     with pytest.raises(TooLarge):
         kv.put([key("big")], [bytes(5 * PAGE)])
     kv.put([key("fits")], [bytes(4 * PAGE)])
+
+
+def test_a_put_cut_into_parts_by_the_servers_batch_limit_stays_one_chain(make_server: Callable[..., object]) -> None:
+    """Each part names the last key of the part before it as its parent (it named the batch's
+    parent, so every part but the first was a chain of its own): with the head gone, every block
+    after it is stranded."""
+    srv = make_server("--capacity", "16MiB", "--max-batch", "4")
+    with KVClient(srv.addr, namespace="parts") as kv:  # type: ignore[attr-defined]
+        keys = [key(f"p{i}") for i in range(12)]
+        assert kv.put(keys, [b"y" * 1000] * 12).stored == 12  # three PUTs of four
+        assert kv.delete(keys[:1]) == 1
+        assert store_stats(kv)["stranded_blocks"] == 11
