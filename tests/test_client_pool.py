@@ -531,20 +531,28 @@ async def test_a_pinned_lookup_that_fails_gives_back_the_leases_it_took(make_ser
 async def test_a_pinned_lookup_cancelled_in_flight_gives_back_what_its_reply_says_it_pinned(
         make_server: MakeServer) -> None:
     """The LOOKUP was sent when the caller gave up: the server still pins (its reply came to no
-    one, and the cancel cost the connection), and those leases stayed for their 10 minutes."""
+    one, and the cancel cost the connection), and those leases stayed for their 10 minutes. Only
+    what it pinned is given back -- the prefix up to the chain's gap -- never another client's
+    leases on the keys past it."""
     srv = make_server("--capacity", "8MiB")
     assert srv.proc is not None
     kv = AsyncKVClient(srv.addr, namespace="p", timeout=10.0, pool_size=1)
     keys = [key(i, "in-flight-pin") for i in range(12)]
     try:
         await kv.put(keys, [bytes([i]) * 1000 for i in range(12)])
+        assert await kv.delete(keys[4:5]) == 1  # a gap: a lookup of keys[:8] pins keys[:4]
+        async with AsyncKVClient(srv.addr, namespace="p") as other:
+            assert await other.lookup(keys[5:8], pin=True, lease_ms=600_000) == 3
         os.kill(srv.proc.pid, signal.SIGSTOP)  # the request waits in the server's socket
         try:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(kv.lookup(keys[:8], pin=True, lease_ms=600_000), 0.3)
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        assert await _leases_settle([srv]) == [0]
+        assert await _leases_settle([srv], 3) == [3]
+        await asyncio.sleep(0.3)  # (a give-back of more than it pinned would have come by now)
+        assert await _leases_settle([srv], 3) == [3]
+        await kv.put(keys[4:5], [bytes([4]) * 1000])
         assert await kv.lookup(keys) == 12  # (and the client goes on)
     finally:
         await kv.close()
