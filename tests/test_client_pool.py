@@ -948,6 +948,36 @@ async def test_requests_queued_behind_a_cancelled_put_are_sent_again_even_pinned
     assert stats["store"]["lookups"] == 5 and aborted  # each pinned lookup ran once
 
 
+async def test_an_unpinning_get_that_never_went_out_gives_back_its_leases_when_not_retried(
+        make_server: MakeServer) -> None:
+    """With retries=0, an unpinning get queued behind a put cancelled mid-payload fails: its
+    connection ended before any of its bytes went out. The leases it was to drop are given back
+    (they held the blocks for the lease's whole time: the give-back took it for sent)."""
+    srv = make_server("--capacity", "64MiB", "--lease-seconds", "600")
+    keys = [key(i, "unsent-no-retry") for i in range(4)]
+    async with AsyncKVClient(srv.addr, namespace="q", pool_size=1, retries=0) as kv:
+        await kv.put(keys, [b"x" * 4096] * 4)
+        for trial in range(5):  # (until one cancel finds the put still going out)
+            assert await kv.lookup(keys, pin=True) == 4
+            put = asyncio.ensure_future(kv.put([key(i, f"no-retry-big{trial}") for i in range(4)],
+                                               [bytes(4 << 20)] * 4))
+            await asyncio.sleep(0)
+            load = asyncio.ensure_future(kv.get(keys, unpin=True))  # behind it, on the same connection
+            await asyncio.sleep(0.002)
+            (conn,) = kv.nodes[0].conns
+            put.cancel()
+            await asyncio.gather(put, return_exceptions=True)
+            if conn.closed:
+                with pytest.raises(TransportError):
+                    await load
+                assert await _leases_settle([srv]) == [0]
+                break
+            assert await load is not None
+            assert await _leases([srv]) == [0]
+        else:
+            pytest.fail("no put was still going out when cancelled")
+
+
 async def test_a_connect_that_fails_does_not_wait_for_connects_other_callers_began_since() -> None:
     """A call whose own connect failed waited for every connect still in progress, also those
     other callers began after it: against a silent server an attempt cost up to twice
