@@ -37,6 +37,23 @@ def test_adding_a_fourth_server_moves_a_quarter_of_the_keys_all_to_it() -> None:
         three[before.node_of(keys[0])]  # placement depends on the addresses, not their order
 
 
+def test_placement_is_the_documented_function_and_does_not_change_between_versions() -> None:
+    """Engines of different kvstore versions share servers: a key must go where every version
+    puts it. Each key goes to the address whose xxh3-64 of the key, seeded with the xxh3-64 of the
+    address string, is highest (client/sharding.py); the answers below are frozen."""
+    import xxhash
+
+    addrs = ["10.0.0.1:7600", "10.0.0.2:7600", "10.0.0.3:7600"]
+    keys = [hashlib.sha256(b"block %d" % i).digest() for i in range(12)]
+    ring = Ring(addrs)
+
+    def highest(k: bytes) -> int:
+        scores = [xxhash.xxh3_64_intdigest(k, seed=xxhash.xxh3_64_intdigest(a.encode())) for a in addrs]
+        return scores.index(max(scores))
+
+    assert [ring.node_of(k) for k in keys] == [highest(k) for k in keys] == [0, 1, 1, 1, 1, 2, 1, 0, 2, 0, 0, 0]
+
+
 async def test_a_chain_spread_over_three_servers(make_server) -> None:
     servers = [make_server("--capacity", MEM) for _ in range(3)]
     addrs = [s.addr for s in servers]
