@@ -403,7 +403,9 @@ def test_sync_client_uses_shm_too(make_server: MakeServer, unix_path: str) -> No
         kv.put(keys, blocks)
         bufs = [bytearray(100_000) for _ in keys]
         assert kv.get_into(keys, bufs) == [True] * 4 and bufs == blocks
-        assert kv.stats()["shm"]["gets"] == 1
+        shm = kv.stats()["shm"]
+        assert (shm["gets"], shm["puts"]) == (1, 1)
+        assert (shm["put_keys"], shm["pins"]) == (0, 0)  # (a commit gives its keys back to the bound)
 
 
 async def test_concurrent_shm_and_tcp_clients_on_the_same_blocks(make_server: MakeServer, unix_path: str) -> None:
@@ -1109,6 +1111,33 @@ async def test_shm_read_pins_of_blocks_read_through_from_redis_are_bounded_too(
             assert (await kv.stats())["shm"]["pins"] == 4 * 16384
     finally:
         hog.close()
+
+
+async def test_an_shm_read_whose_connection_closes_while_redis_answers_pins_nothing_after(
+        make_server: MakeServer, unix_path: str, redis_server: RedisProcess) -> None:
+    """An SHM_GET of a block in memory and one only Redis has pins the first while it waits for the
+    second; the connection went away meanwhile. Those pins are released when Redis answers: kept
+    (on a session that had ended, which no lease expiry visits again), they held the block for good."""
+    here, there = key(1, "closing-read"), key(2, "closing-read")
+    first = make_server("--capacity", "8MiB", "--redis", redis_server.url)
+    async with AsyncKVClient(first.addr) as kv:
+        await kv.put([here, there], [data(here, 4096), data(there, 4096)])  # write-through: in Redis
+    first.stop()
+    srv = make_server("--capacity", "8MiB", "--unix", unix_path, "--redis", redis_server.url)
+    async with AsyncKVClient(srv.addr) as kv:
+        assert await kv.get([here]) == [data(here, 4096)]  # read through: now in memory too
+        redis_server.cli("CLIENT", "PAUSE", "1000")  # the read of `there` waits on Redis
+        sock, frames = pipelined(unix_path, [Hello()])
+        sock.sendall(b"".join(bytes(b) for b in encode(ShmGet(keys=[here, there]), 2)))
+        await asyncio.sleep(0.2)
+        sock.close()  # before the reply
+        for _ in range(100):
+            stats = await kv.stats()
+            if stats["shm"]["pins"] == 0 and stats["store"]["pinned_blocks"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (stats["shm"]["pins"], stats["store"]["pinned_blocks"]) == (0, 0)
+        assert await kv.get([here, there]) == [data(here, 4096), data(there, 4096)]
 
 
 def pipelined(path: str, msgs: list[Message]) -> tuple[socket.socket, list[Frame]]:
