@@ -8,12 +8,13 @@ A store of four 64 KiB pages holds four one-page blocks, so every put after that
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Iterator
 
 import pytest
 
 from kvstore.client import KVClient
 from kvstore.errors import CapacityError, TooLarge
+from shm_helpers import MakeServer
 
 PAGE = 64 * 1024
 
@@ -27,9 +28,9 @@ def block(fill: int) -> bytes:
 
 
 @pytest.fixture
-def kv(make_server: Callable[..., object]) -> KVClient:
+def kv(make_server: MakeServer) -> Iterator[KVClient]:
     srv = make_server("--capacity", str(4 * PAGE), "--page-size", str(PAGE))
-    with KVClient(srv.addr, namespace="chains") as client:  # type: ignore[attr-defined]
+    with KVClient(srv.addr, namespace="chains") as client:
         yield client
 
 
@@ -110,12 +111,12 @@ def test_a_block_larger_than_the_whole_store_is_too_large_not_a_full_store(kv: K
     kv.put([key("fits")], [bytes(4 * PAGE)])
 
 
-def test_a_put_cut_into_parts_by_the_servers_batch_limit_stays_one_chain(make_server: Callable[..., object]) -> None:
+def test_a_put_cut_into_parts_by_the_servers_batch_limit_stays_one_chain(make_server: MakeServer) -> None:
     """Each part names the last key of the part before it as its parent (it named the batch's
     parent, so every part but the first was a chain of its own): with the head gone, every block
     after it is stranded."""
     srv = make_server("--capacity", "16MiB", "--max-batch", "4")
-    with KVClient(srv.addr, namespace="parts") as kv:  # type: ignore[attr-defined]
+    with KVClient(srv.addr, namespace="parts") as kv:
         keys = [key(f"p{i}") for i in range(12)]
         assert kv.put(keys, [b"y" * 1000] * 12).stored == 12  # three PUTs of four
         assert kv.delete(keys[:1]) == 1
