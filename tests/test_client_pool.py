@@ -549,9 +549,14 @@ async def test_a_pinned_lookup_cancelled_in_flight_gives_back_what_its_reply_say
                 await asyncio.wait_for(kv.lookup(keys[:8], pin=True, lease_ms=600_000), 0.3)
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        assert await _leases_settle([srv], 3) == [3]
-        await asyncio.sleep(0.3)  # (a give-back of more than it pinned would have come by now)
-        assert await _leases_settle([srv], 3) == [3]
+        for _ in range(100):  # until the lookup has run (it pinned 4 more)...
+            async with AsyncKVClient(srv.addr, namespace="p") as probe:
+                if (await probe.stats())["store"]["lookups"] == 2:
+                    break
+            await asyncio.sleep(0.05)
+        assert await _leases_settle([srv], 3) == [3]  # ... and was given back: the other client's 3 stay
+        await asyncio.sleep(0.3)
+        assert await _leases([srv]) == [3]
         await kv.put(keys[4:5], [bytes([4]) * 1000])
         assert await kv.lookup(keys) == 12  # (and the client goes on)
     finally:
