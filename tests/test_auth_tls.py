@@ -22,7 +22,7 @@ import pytest
 from kvstore.client import AsyncKVClient, KVClient
 from kvstore.client.tokens import read_token_file
 from kvstore.errors import PROTOCOL_ERROR_CODE, InvalidRequest, TransportError, Unauthorized, Unavailable
-from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, encode
+from kvstore.protocol import HEADER, Get, Hello, Lookup, Ping, Put, Stats, encode
 
 TOKEN = "s3cret-global-7f3a"
 NS_TOKEN = "ns-only-91bc"
@@ -147,6 +147,82 @@ async def test_namespace_scoped_token(make_server, token_file: Path) -> None:
             pass
     async with AsyncKVClient(srv.addr, token=TOKEN, namespace="qwen/tp0") as kv:  # the global token does
         await kv.ping()
+
+
+def test_the_token_file_is_read_as_its_format_says(make_server, tmp_path: Path) -> None:
+    """server/auth.py's format, line by line: a token on several lines gets the union of their
+    namespaces; a pattern is a glob matched whole (no prefix: tp0 is not tp01); a line starting with
+    # is a comment (also "#oldtoken", a token commented out); lines are stripped both sides; the
+    token is everything after the first colon. Each rule, broken, let a token reach namespaces its
+    lines do not grant, or refused one they do."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("llama/*:union\nqwen/*:union\n"
+                      "qwen/bf16/tp0:exact\nmistral/tp?:one-char\n"
+                      "#oldtoken\n   # an indented comment\n   indented-global\n\tgemma/*:tabbed\n"
+                      "*:tok:with:colons\nphi/*:a:b\n")
+    srv = make_server("--capacity", "8MiB", "--token-file", str(tokens))
+
+    def may_use(token: str, namespace: str) -> bool:
+        try:
+            with KVClient(srv.addr, token=token, namespace=namespace, retries=0) as kv:
+                kv.put([b"k" * 16], [b"v"])  # (a put: the namespace is the session's)
+            return True
+        except Unauthorized:
+            return False
+
+    assert [may_use("union", ns) for ns in ("llama/a", "qwen/a", "other")] == [True, True, False]
+    assert [may_use("exact", ns) for ns in ("qwen/bf16/tp0", "qwen/bf16/tp01", "qwen/bf16/tp")] == [True, False, False]
+    assert [may_use("one-char", ns) for ns in ("mistral/tp1", "mistral/tp12")] == [True, False]
+    assert not may_use("#oldtoken", "x") and not may_use("oldtoken", "x")
+    assert not may_use("# an indented comment", "x") and not may_use("an indented comment", "x")
+    assert may_use("indented-global", "anything") and not may_use("   indented-global", "anything")
+    assert [may_use("tabbed", ns) for ns in ("gemma/a", "other")] == [True, False]
+    assert may_use("tok:with:colons", "anything") and not may_use("with:colons", "anything")
+    assert [may_use("a:b", ns) for ns in ("phi/x", "other")] == [True, False] and not may_use("b", "phi/x")
+
+
+def test_an_entry_with_an_empty_pattern_stops_the_server_at_start(tmp_path: Path) -> None:
+    """":TOKEN" names no namespace: a typo, refused at start rather than read as some grant."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("good-token\n:orphan-token\n")
+    r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--capacity", "1MiB",
+                        "--token-file", str(tokens)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and f"{tokens}:2:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_before_its_hello_a_peer_gets_a_ping_answered_and_nothing_else(make_server, token_file: Path) -> None:
+    """A PING is a health check without a token; a STATS before HELLO would hand any peer every
+    namespace's name and size."""
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    with KVClient(srv.addr, token=TOKEN, namespace="secret-tenant") as kv:
+        kv.put([b"k" * 16], [b"v"])
+    for msg, answer in ((Ping(), Ping.OP | 0x80), (Stats(), 0xFF)):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(frames(msg))
+            s.shutdown(socket.SHUT_WR)
+            got = read_all(s)
+        assert replies(got) == [(answer, 1)], msg
+        assert b"secret-tenant" not in got
+
+
+def test_a_flush_naming_no_namespace_flushes_the_sessions_own(make_server, token_file: Path) -> None:
+    """FLUSH's namespace may be left empty: the connection's own (a scoped token's HELLO namespace)."""
+    from kvstore.protocol import Flush, FrameReader, Reply
+
+    srv = make_server("--capacity", "8MiB", "--token-file", str(token_file))
+    with KVClient(srv.addr, token=TOKEN, namespace="llama/a") as kv:
+        kv.put([b"1" * 16, b"2" * 16], [b"v", b"w"])
+    with KVClient(srv.addr, token=TOKEN, namespace="llama/b") as kv:
+        kv.put([b"3" * 16], [b"x"])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(frames(Hello(token=NS_TOKEN, namespace="llama/a"), Flush()))
+        s.shutdown(socket.SHUT_WR)
+        reader = FrameReader(is_server=False)
+        reader.feed(read_all(s))
+        hello, flushed = reader.next_event(), reader.next_event()
+    assert isinstance(flushed.msg, Reply) and flushed.msg.fields["n"] == 2, flushed  # type: ignore[union-attr]
+    with KVClient(srv.addr, token=TOKEN, namespace="llama/b") as kv:
+        assert kv.exists([b"3" * 16]) == [True]
 
 
 def test_unreadable_or_empty_token_file_stops_the_server_at_start(tmp_path: Path) -> None:
@@ -557,13 +633,15 @@ async def test_peers_that_never_say_hello_cannot_hold_the_connection_slots(make_
     socks: list[socket.socket] = []
     async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=1) as early:
         await early.ping()
+        (first,) = early.nodes[0].conns
         try:
             for _ in range(20):  # bare sockets, all kept open: 7 take the free slots, 13 are refused
                 socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
             await asyncio.sleep(HELLO_GRACE_S + 0.5)
             async with AsyncKVClient(srv.addr, token=TOKEN, pool_size=2, retries=0) as late:
                 assert (await late.put([b"k" * 32], [b"x"])).stored == 1  # (was Unavailable: at the limit)
-            assert await early.exists([b"k" * 32]) == [True]  # (its connection stayed)
+            assert await early.exists([b"k" * 32]) == [True]
+            assert early.nodes[0].conns == [first] and not first.closed  # (its connection stayed: not reopened)
             stats = await early.stats()
         finally:
             for sock in socks:

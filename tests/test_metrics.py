@@ -71,6 +71,22 @@ def test_the_shm_attach_reply_counts_in_bytes_out(make_server, metrics_url, unix
     assert len(fds) == 1 and value(scrape(base), "kvstore_bytes_out_total") - before == received
 
 
+def test_a_latency_lands_in_the_first_bucket_whose_bound_holds_it() -> None:
+    """Prometheus' ``le``: a 0.3 ms request counts in the 0.5 ms bucket and every one above, not in
+    the 0.25 ms one; one of exactly a bound counts in that bound's bucket."""
+    from kvstore.server.metrics import LATENCY_BUCKETS, LatencyHistograms
+
+    h = LatencyHistograms()
+    h.observe("get", 3e-4)
+    h.observe("get", LATENCY_BUCKETS[0])
+    h.observe("get", 1e9)  # past every bound: +Inf only
+    counts = dict(h.cumulative("get"))
+    below = max(b for b in LATENCY_BUCKETS if b < 3e-4)
+    above = min(b for b in LATENCY_BUCKETS if b >= 3e-4)
+    assert counts[repr(LATENCY_BUCKETS[0])] == 1 and counts[repr(below)] == 1
+    assert counts[repr(above)] == 2 and counts[repr(LATENCY_BUCKETS[-1])] == 2 and counts["+Inf"] == 3
+
+
 async def test_counters_match_known_traffic_exactly(make_server, metrics_url) -> None:
     srv = make_server("--capacity", "16MiB", "--metrics-port", "0")
     base = metrics_url(srv)
@@ -88,6 +104,14 @@ async def test_counters_match_known_traffic_exactly(make_server, metrics_url) ->
         s.sendall(bad)
         assert s.recv(4096)[:2] == b"KV"
     after = scrape(base)
+    # bytes that are no frame: the connection is closed, counted as a malformed request and error
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(b"KV" + bytes(18) + b"garbage")
+        while s.recv(4096):
+            pass
+    garbage = scrape(base)
+    assert value(garbage, "kvstore_requests_total", op="malformed") == 1
+    assert value(garbage, "kvstore_errors_total", op="malformed") == 1
 
     expected_in = (frame_len(Hello(namespace="alpha", token=None, client="kvstore-py"))
                    + sum(frame_len(Put(keys=[k], sizes=[len(b)], checksums=[checksum(memoryview(b))]), [b])

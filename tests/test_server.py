@@ -344,6 +344,35 @@ def test_a_drain_ends_a_deep_pipeline_with_its_replies_and_an_eof_not_a_reset(ma
     assert srv.proc.wait(10) == 0
 
 
+def test_a_drain_closes_an_idle_connection_while_another_keeps_it_busy(make_server) -> None:
+    """After SIGTERM a connection with nothing in flight is closed (an end of file), even while
+    another connection's reply keeps the drain going: served on, it took new requests -- PUTs a
+    server about to stop acknowledged -- until every connection was idle or --drain-seconds ran out."""
+    from kvstore.protocol import Get, Ping
+
+    srv = make_server("--capacity", "64MiB", "--drain-seconds", "10")
+    assert srv.proc is not None
+    with KVClient(srv.addr) as kv:
+        kv.put([key(1, "big")], [b"x" * (4 << 20)])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as idle, \
+            socket.create_connection(("127.0.0.1", srv.port), timeout=5) as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        busy.sendall(b"".join(bytes(b) for i in range(1, 9) for b in encode(Get(keys=[key(1, "big")]), i)))  # unread
+        idle.sendall(b"".join(bytes(b) for b in encode(Ping(), 1)))
+        assert idle.recv(65536)[:2] == MAGIC  # (answered: it works)
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_log("stopping: draining")
+        time.sleep(0.3)
+        try:
+            idle.sendall(b"".join(bytes(b) for b in encode(Ping(), 2)))
+            after = idle.recv(65536)
+        except OSError:  # (a reset is a close too, if a rude one)
+            after = b""
+        assert after == b"", "an idle connection was still served during the drain"
+        assert srv.proc.poll() is None  # (the busy one still holds the drain)
+    assert srv.proc.wait(15) == 0
+
+
 def test_sigint_with_idle_clients_exits_zero(server) -> None:
     with KVClient(server.addr) as kv:
         kv.ping()

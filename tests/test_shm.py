@@ -935,7 +935,7 @@ async def test_a_drain_that_times_out_closes_the_busy_connection_without_an_erro
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "tokens"
-    path.write_text(f"{TOKEN}\nllama/*:{NS_TOKEN}\n")
+    path.write_text(f"{TOKEN}\nllama/*:{NS_TOKEN}\n?:one-letter\n[*]:star-only\n")
     return path
 
 
@@ -952,6 +952,11 @@ async def test_only_a_client_with_the_token_can_map_the_segment(make_server: Mak
                                ShmPut(keys=[key(0, "tok")], sizes=[10]))
     assert fds == [] and error_code(frames[1]) == Unauthorized.code
     assert error_code(frames[2]) == Unauthorized.code  # nor may it reserve (and publish unwritten) slots
+    assert "shm" not in reply_fields(frames[0])  # (its HELLO is not offered the arena either)
+    # Nor one whose patterns happen to match the name "*": only the pattern "*" grants every namespace.
+    for token, namespace in (("one-letter", "x"), ("star-only", "*")):
+        frames, fds = raw_exchange(unix_path, Hello(token=token, namespace=namespace), ShmAttach())
+        assert fds == [] and "shm" not in reply_fields(frames[0]) and error_code(frames[1]) == Unauthorized.code
     frames, fds = raw_exchange(unix_path, Hello(token=TOKEN), ShmAttach())
     try:
         assert len(fds) == 1 and reply_fields(frames[1])["size"] == 8 << 20

@@ -39,3 +39,16 @@ def test_info_lines_are_throttled_alike(caplog: pytest.LogCaptureFixture) -> Non
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, "wrote 0 block(s) again"), (logging.INFO, "wrote 9 block(s) again (4 more like it held back)")]
     assert getattr(caplog.records[0], "event") == "again"
+
+
+def test_the_count_held_back_starts_again_with_each_window(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    log = ThrottledLog(logging.getLogger("kvstore.test.throttle"), seconds=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvstore.test.throttle"):
+        for window, lines in enumerate((3, 2, 1, 1)):
+            now[0] = 10.0 * window + (30.0 if window == 3 else 0.0)  # (the last after a quiet minute)
+            for _ in range(lines):
+                log.warning("peer refused")
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer refused", "peer refused (2 more like it held back)", "peer refused (1 more like it held back)",
+        "peer refused"]
