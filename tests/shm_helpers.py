@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
 import shutil
 import socket
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -20,6 +21,7 @@ from kvstore.server.process import ServerProcess
 
 #: The ``make_server`` fixture of conftest.py: ``make_server("--capacity", "8MiB")`` -> a started server.
 MakeServer = Callable[..., ServerProcess]
+T = TypeVar("T")
 
 
 def key(i: int, tag: str = "") -> bytes:
@@ -100,3 +102,19 @@ async def shm_locate(kv: AsyncKVClient, keys: list[bytes]) -> tuple[Any, dict[st
 async def shm_release(conn: Any, handle: int) -> bool:
     resp = await conn.request(ShmRelease(handle=handle))
     return resp.fields["held"] is True
+
+
+async def behind_a_cancelled_put(kv: AsyncKVClient, tag: str, request: Callable[[], Awaitable[T]],
+                                 block_bytes: int = 4 << 20) -> tuple[Any, asyncio.Future[T]]:
+    """Start a put of four new blocks, queue ``request()`` behind it on the same connection (a client
+    with ``pool_size=1``), and cancel the put: ``(that connection, the request's future)``. The
+    connection is closed when the cancel came while the put's payload went out: the request then
+    never reached the server; otherwise the put had gone out whole."""
+    put = asyncio.ensure_future(kv.put([key(i, tag) for i in range(4)], [bytes(block_bytes)] * 4))
+    await asyncio.sleep(0)
+    queued = asyncio.ensure_future(request())
+    await asyncio.sleep(0.002)
+    (conn,) = kv.nodes[0].conns
+    put.cancel()
+    await asyncio.gather(put, return_exceptions=True)
+    return conn, queued

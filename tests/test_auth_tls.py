@@ -220,6 +220,7 @@ def test_a_flush_naming_no_namespace_flushes_the_sessions_own(make_server, token
         reader = FrameReader(is_server=False)
         reader.feed(read_all(s))
         hello, flushed = reader.next_event(), reader.next_event()
+    assert isinstance(hello.msg, Reply), hello  # type: ignore[union-attr]
     assert isinstance(flushed.msg, Reply) and flushed.msg.fields["n"] == 2, flushed  # type: ignore[union-attr]
     with KVClient(srv.addr, token=TOKEN, namespace="llama/b") as kv:
         assert kv.exists([b"3" * 16]) == [True]

@@ -20,7 +20,7 @@ from kvstore.client import AsyncKVClient, KVClient, PutResult
 from kvstore.client.sharding import Ring
 from kvstore.errors import BlockSizeError, RequestTimeout, TooLarge, TransportError, Unauthorized
 
-from shm_helpers import MakeServer, key, unix_path  # noqa: F401  (unix_path is a fixture)
+from shm_helpers import MakeServer, behind_a_cancelled_put, key, unix_path  # noqa: F401  (unix_path is a fixture)
 
 
 def test_callers_sharing_a_client_do_not_wait_out_each_others_connects(make_server: MakeServer) -> None:
@@ -964,14 +964,7 @@ async def test_an_unpinning_get_that_never_went_out_gives_back_its_leases_when_n
         await kv.put(keys, [b"x" * 4096] * 4)
         for trial in range(5):  # (until one cancel finds the put still going out)
             assert await kv.lookup(keys, pin=True) == 4
-            put = asyncio.ensure_future(kv.put([key(i, f"no-retry-big{trial}") for i in range(4)],
-                                               [bytes(4 << 20)] * 4))
-            await asyncio.sleep(0)
-            load = asyncio.ensure_future(kv.get(keys, unpin=True))  # behind it, on the same connection
-            await asyncio.sleep(0.002)
-            (conn,) = kv.nodes[0].conns
-            put.cancel()
-            await asyncio.gather(put, return_exceptions=True)
+            conn, load = await behind_a_cancelled_put(kv, f"no-retry-big{trial}", lambda: kv.get(keys, unpin=True))
             if conn.closed:
                 with pytest.raises(TransportError):
                     await load

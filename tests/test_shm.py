@@ -34,7 +34,8 @@ from kvstore.client.shm import ShmChannel
 
 from redis_fixtures import RedisProcess, eventually, redis_server  # noqa: F401  (redis_server is a fixture)
 from shm_helpers import (  # noqa: F401  (unix_path is a fixture)
-    MakeServer, arena_mappings, assert_attach_maps, data, error_code, key, raw_exchange, reply_fields, shm_locate, shm_release,
+    MakeServer, arena_mappings, assert_attach_maps, behind_a_cancelled_put, data, error_code, key, raw_exchange, reply_fields,
+    shm_locate, shm_release,
     unix_path,
 )
 
@@ -603,14 +604,8 @@ async def test_an_unpinning_shm_get_queued_behind_a_cancelled_put_is_sent_again(
         assert kv.nodes[0].shm is not None
         for trial in range(5):
             assert await kv.lookup(keys, pin=True) == 4
-            big = [key(i, f"big{trial}") for i in range(4)]
-            put = asyncio.ensure_future(kv.put(big, [bytes(16 << 20)] * 4))  # 64 MiB going out first
-            await asyncio.sleep(0)
-            got = asyncio.ensure_future(kv.get(keys, unpin=True))  # behind it, on the same connection
-            await asyncio.sleep(0.002)
-            (conn,) = kv.nodes[0].conns
-            put.cancel()
-            await asyncio.gather(put, return_exceptions=True)
+            conn, got = await behind_a_cancelled_put(kv, f"big{trial}", lambda: kv.get(keys, unpin=True),
+                                                     block_bytes=16 << 20)  # 64 MiB going out first
             aborted += conn.closed  # (cancelled mid-payload: the connection ended; else the put had gone out)
             assert [bytes(b) for b in await got] == blocks  # (sent again on a new connection)
             assert (await kv.stats())["store"]["leases"] == 0
