@@ -414,6 +414,23 @@ async def test_a_batch_over_the_servers_limits_goes_out_in_parts(make_server: Ma
         assert not stats["errors"] and stats["connections_total"] <= 4  # nothing refused, no connection lost
 
 
+async def test_the_clients_own_limits_cut_a_batch_too_when_they_are_the_lower(make_server: MakeServer) -> None:
+    """A request goes out within the lower of the client's ``limits`` and the server's: a client
+    whose codec takes smaller frames than the server's (an older client, a tighter setting) must
+    not be sent replies it would refuse, nor send requests over its own bound."""
+    from kvstore.protocol import Limits
+
+    srv = make_server("--capacity", "8MiB")
+    keys = [key(i, "own-limits") for i in range(10)]
+    async with AsyncKVClient(srv.addr, namespace="p", limits=Limits(max_batch=4)) as kv:
+        await kv.connect()
+        assert kv.nodes[0].max_batch == 4
+        assert (await kv.put(keys, [bytes([i]) * 1000 for i in range(10)])).stored == 10
+        assert await kv.lookup(keys) == 10
+        stats = await kv.stats()
+    assert stats["requests"]["put"] == 3 and stats["requests"]["lookup"] == 3 and not stats["errors"]
+
+
 async def test_key_lists_over_the_servers_max_batch_go_out_in_runs(make_server: MakeServer) -> None:
     """A lookup, exists, unpin or delete of more keys than --max-batch (a very long prompt's chain)
     was refused whole (InvalidRequest); the client now sends runs the server takes, and a lookup
