@@ -409,6 +409,33 @@ def test_a_pending_reset_flushes_again_only_the_server_that_missed_it(make_engin
         assert engine.manager._resetting and engine.manager._unflushed == {down}
 
 
+def test_a_flush_that_keeps_failing_waits_twice_as_long_each_time_up_to_its_cap(
+        make_engine: Callable[..., Engine], kvstore_server: ServerProcess) -> None:
+    """A server whose Redis tier is down empties its memory at each try (what was stored there
+    since is lost each time): the pause between tries doubles from FLUSH_RETRY_S to
+    FLUSH_RETRY_MAX_S (a mutant kept it at 1 s). Each try is due at once here (its due time
+    cleared) and the pause it sets is read off the next due time."""
+    from kvstore.integrations.vllm import FLUSH_RETRY_MAX_S, FLUSH_RETRY_S
+
+    down = nothing_listens()
+    engine = make_engine(f"{kvstore_server.addr},{down}", kvstore_flush_on_reset=True)
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.new_request(list(range(7000, 7024)))
+    assert engine.run([0, EOS_TOKEN_ID]).loaded == ()  # (vLLM reports the jobs the reset caught)
+    manager = engine.manager
+    pauses = []
+    for _ in range(7):
+        manager._flush_again_at = 0.0
+        assert not manager._end_reset() and manager._unflushed == {down}
+        pauses.append(manager._flush_again_at - time.monotonic())
+    series = [min(FLUSH_RETRY_S * 2 ** i, FLUSH_RETRY_MAX_S) for i in range(12)]
+    # (the engine's lookups above already tried once or twice)
+    assert any([round(p, 1) for p in pauses] == series[k:k + 7] for k in range(3)), pauses
+    assert pauses[-1] <= FLUSH_RETRY_MAX_S == round(pauses[-1], 1)  # (the cap is reached)
+    due = manager._flush_again_at
+    assert not manager._end_reset() and manager._flush_again_at == due  # (not due yet: not tried)
+
+
 # --------------------------------------------------------------------------- failures
 
 
