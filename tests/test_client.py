@@ -401,7 +401,8 @@ async def test_get_into_buffers_that_share_memory_are_refused_before_anything_is
         whole = np.zeros(size + 4096, dtype=np.uint8)
         for bufs, pair in (([whole[:size], whole[:size], whole[size:]], "0 and 1"),  # the same memory
                            ([whole[size:], whole[:size], whole[size - 4096:]], "1 and 2"),  # a tail overlapping
-                           ([bytearray(size), whole[:size], whole[: size - 1]], "1 and 2")):
+                           ([bytearray(size), whole[:size], whole[: size - 1]], "1 and 2"),
+                           ([bytearray(size), whole[:size], whole[size - 1: size + 4095]], "1 and 2")):  # one byte
             with pytest.raises(InvalidRequest, match=f"buffers {pair} share memory"):
                 await kv.get_into(keys, bufs)
             assert not whole.any()  # nothing was read into them
