@@ -79,6 +79,8 @@ class AsyncKVClient:
         token: shared secret, when the server requires one; trailing whitespace (the newline of a
             file read whole) is dropped, as the server drops it from its token file's lines.
         tls: an ``ssl.SSLContext``, ``True`` for the system defaults, or a CA file path.
+        server_hostname: the name the server's TLS certificate was made for, when it is not the
+            host of ``addr`` (an address given as an IP, say).
         pool_size: connections per server.
         timeout: seconds a request may take before ``RequestTimeout`` (None: no limit; bad
             values of this and the other settings raise ``InvalidRequest``).
@@ -90,14 +92,18 @@ class AsyncKVClient:
         retries: retries of a request after a transport error (never of a pinning lookup,
             an unpinning get or an unpin: the server may have run them already -- unless
             their connection ended before any of their bytes went out).
+        backoff: seconds before the first retry, doubled before each next one.
         quarantine: seconds a server that timed out or could not be reached is not asked:
             calls to it fail at once with ``TransportError`` (over several servers, a lookup
             or exists answers from the others at once), then the next call tries it again;
             each failure in a row doubles the time, up to 8x (an ``unpin``, and the leases a
             failed or cancelled lookup gives back, are always tried). For a cache whose caller must
             not wait a timeout per request on a server that stopped answering (an engine's
-            scheduler); 0 (default): every call tries.
+            scheduler): it waits one ``timeout`` -- or ``connect_timeout``, when the call that
+            tries again has to connect -- per quarantine. 0 (default): every call tries.
         verify: check each block's checksum on get (``IntegrityError`` on mismatch).
+        limits: the client's own bounds on a request (:class:`~kvstore.messages.Limits`: meta
+            and payload bytes, keys); a request goes out within these and the server's, the lower.
         shm: map the server's block arena and copy payloads through it (``docs/shm.md``):
             ``None`` (default) when connected over the Unix socket, ``True`` also from a
             TCP address (via the socket path the server announces, on its host only),
@@ -679,7 +685,7 @@ class AsyncKVClient:
         answered -- with ``strict``, when any server failed (for a caller that waits for keys to
         appear: absent is not the answer then). (``stats()`` lists a failed server under
         ``"errors"``; ``delete()``, ``unpin()`` and ``flush()`` raise when one fails.)"""
-        keys = _checked_keys(keys)
+        keys, strict = _checked_keys(keys), _flag("strict", strict)
         if not keys:
             return []
 
@@ -703,7 +709,7 @@ class AsyncKVClient:
 
     async def unpin(self, keys: Sequence[bytes]) -> int:
         """Drop one lease per key (from ``lookup(pin=True)``); returns how many were dropped."""
-        return await self._count(_checked_keys(keys), lambda sub: Unpin(keys=sub), idempotent=False)
+        return await self._count(_checked_keys(keys), lambda sub: Unpin(keys=sub), idempotent=False, always=True)
 
     async def flush(self, namespace: str | None = None, *, servers: Collection[str] | None = None) -> int:
         """Delete every block of a namespace (this client's when None) on every server (``servers``:
@@ -714,7 +720,7 @@ class AsyncKVClient:
         ns = self.namespace if namespace is None else _namespace(namespace)  # ("" would mean the own one)
         nodes = self.nodes
         if servers is not None:
-            wanted = {servers} if isinstance(servers, str) else set(servers)  # (one address, as addr= takes it)
+            wanted = {servers} if isinstance(servers, str) else _addresses(servers)  # (one address, as addr= takes it)
             unknown = wanted - {n.addr for n in nodes}
             if unknown:  # (a typo, or another spelling of a server, would flush nothing and say 0)
                 raise InvalidRequest(f"servers: not addresses of this client: {sorted(unknown)} (it has "
@@ -765,9 +771,10 @@ class AsyncKVClient:
             return await one(self.nodes[0])
         return max(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True) -> int:
+    async def _count(self, keys: list[bytes], make: Callable[[list[bytes]], Message], idempotent: bool = True,
+                     always: bool = False) -> int:
         async def one(node: Node, idx: Sequence[int]) -> int:
-            await node.ready(idempotent)
+            await node.ready(idempotent, always)
             n = 0
             for run in node.key_runs(len(idx)):
                 resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent)
@@ -791,6 +798,17 @@ def _flag(name: str, value: object) -> bool:
     except (ValueError, RuntimeError, TypeError):  # (an array or tensor: no single truth)
         pass
     raise InvalidRequest(f"{name} must be True or False, got {value!r:.40}")
+
+
+def _addresses(servers: Any) -> set[str]:
+    """``flush(servers=...)``: addresses as strings, in any collection."""
+    try:
+        wanted = set(servers)
+    except TypeError:
+        raise InvalidRequest(f"servers must be an address or a collection of them, not {type(servers).__name__}") from None
+    if not all(isinstance(a, str) for a in wanted):
+        raise InvalidRequest(f"servers must be address strings, got {sorted(map(repr, wanted))}")
+    return wanted
 
 
 def _failed_whole(outcome: list[tuple[int, str | None] | KVStoreError]) -> KVStoreError | None:

@@ -152,13 +152,14 @@ class Node:
         is open, the next may reach a server restarted with others (a smaller --max-batch)."""
         return self.hello_seen and any(not c.closed for c in self.conns)
 
-    async def ready(self, idempotent: bool = True) -> None:
+    async def ready(self, idempotent: bool = True, always: bool = False) -> None:
         """Before a request to this server is cut, when no open connection has told its limits
         (its first request, or after its connections closed): a PING, so that a HELLO's limits
         (and arena) shape the cut. Its attempts are the request's (a failure here is the request's
-        failure); a round trip more, once per server and reconnection."""
+        failure, ``always`` too: sent in a quarantine); a round trip more, once per server and
+        reconnection."""
         if not self.limits_known:
-            await self.call(Ping(), idempotent=idempotent)
+            await self.call(Ping(), idempotent=idempotent, always=always)
 
     def _at_home(self) -> bool:
         """Whether this process and event loop own the client's connections (or it has none yet)."""
@@ -325,8 +326,10 @@ class Node:
     async def call(self, msg: Message, payload: Sequence[memoryview] = (), payload_len: int | None = None,
                    make_sink: Callable[[dict[str, Any]], Any] | None = None, idempotent: bool = True,
                    orphan: Callable[[Response], None] | None = None,
-                   unsent: Callable[[], None] | None = None) -> Response:
-        """One request, retried on a lost connection if ``idempotent``, or if it was never sent.
+                   unsent: Callable[[], None] | None = None, always: bool = False) -> Response:
+        """One request, retried on a lost connection if ``idempotent``, or if it was never sent;
+        sent even in a quarantine if ``always`` or an UNPIN (refusing a give-back only leaves leases
+        behind).
 
         ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
         cancel), and a reply that comes then goes to ``orphan`` (a pinned LOOKUP: what it pinned).
@@ -337,7 +340,7 @@ class Node:
         c = self.client
         sent = False  # whether the server may have the request
         try:
-            if not isinstance(msg, Unpin):  # (a give-back is always tried: refusing it only leaves leases behind)
+            if not (always or isinstance(msg, Unpin)):
                 self.check_up()
             attempts = 1 + c.retries
             for attempt in range(attempts):

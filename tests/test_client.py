@@ -283,6 +283,9 @@ async def test_flush_of_an_empty_or_non_string_namespace_is_refused_not_taken_fo
         for bad in ("", 0, False, b"", "n" * 257):
             with pytest.raises(InvalidRequest, match="namespace is a string of 1..256 characters"):
                 await kv.flush(bad)  # type: ignore[arg-type]
+        for servers, says in ((5, "not int"), ([kv.nodes[0].addr, 5], "address strings")):  # (docs review: TypeError)
+            with pytest.raises(InvalidRequest, match=f"servers must be .*{says}"):
+                await kv.flush(servers=servers)  # type: ignore[arg-type]
         assert await kv.exists(keys) == [True] * 3
         assert await kv.flush("other") == 0 and await kv.flush() == 3
 
@@ -307,6 +310,8 @@ async def test_pin_and_unpin_flags_that_are_truthy_but_not_bool_mean_what_they_s
                 await kv.lookup(keys, pin=bad)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="unpin must be True or False"):
                 await kv.get(keys, unpin=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="strict must be True or False"):  # (docs review)
+                await kv.exists(keys, strict=bad)  # type: ignore[arg-type]
         assert (await kv.stats())["store"]["leases"] == 0
 
 

@@ -1045,3 +1045,27 @@ async def test_over_tls_requests_behind_a_cancelled_put_are_not_taken_for_unsent
                 await kv.unpin(keys)
         else:
             pytest.fail("no put was still going out when cancelled")
+
+
+async def test_an_unpin_is_sent_to_a_quarantined_server_even_with_no_connection_open(make_server: MakeServer) -> None:
+    """(docs review) ``unpin`` is always tried under ``quarantine``; but with no connection to the
+    server open (its last one ended with the timeout that quarantined it), the PING that learns
+    its limits first was refused for the quarantine, and the leases stayed their whole term."""
+    srv = make_server("--capacity", "64MiB", "--lease-seconds", "60")
+    assert srv.proc is not None
+    keys = [key(i, "unpin-q") for i in range(4)]
+    async with AsyncKVClient(srv.addr, namespace="u", timeout=0.5, retries=0, quarantine=30, pool_size=1) as kv:
+        await kv.put(keys, [b"x" * 100] * 4)
+        assert await kv.lookup(keys, pin=True) == 4
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout):
+                await kv.lookup([key(99, "none")])  # the connection is dropped, the server quarantined
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert not kv.nodes[0].limits_known
+        with pytest.raises(TransportError, match="quarantine"):
+            await kv.lookup(keys)  # (still quarantined)
+        assert await kv.unpin(keys) == 4
+    async with AsyncKVClient(srv.addr, namespace="u") as observer:
+        assert (await observer.stats())["store"]["leases"] == 0
