@@ -232,3 +232,28 @@ async def test_a_flush_given_one_address_as_a_string_flushes_that_server_only(ma
         assert 0 < sum(on_first) < len(keys)
         assert await kv.flush(servers=addrs[1]) == len(keys) - sum(on_first)
         assert await kv.exists(keys) == on_first
+
+
+async def test_a_put_failing_on_two_servers_counts_every_block_not_stored(make_server) -> None:
+    """Each server's share that fails whole raises its own error; with two such shares, the error
+    raised says how many blocks of the put were not stored in all and keeps each key's error (a
+    mutant raised the first server's error as it was: its message counted nothing, and named one
+    server of two)."""
+    from kvstore.errors import TransportError
+
+    servers = [make_server("--capacity", MEM) for _ in range(3)]
+    addrs = [s.addr for s in servers]
+    ring = Ring(addrs)
+    keys = chain(30, "two-down")
+    async with AsyncKVClient(addrs, namespace="sh", retries=0, connect_timeout=2) as kv:
+        await kv.ping()
+        servers[0].stop()
+        servers[1].stop()
+        lost = [i for i, k in enumerate(keys) if ring.node_of(k) in (0, 1)]
+        with pytest.raises(TransportError) as failed:
+            await kv.put(keys, [b"x" * 100] * len(keys))
+        assert str(failed.value).startswith(f"{len(lost)} of {len(keys)} blocks not stored: ")
+        assert sorted(failed.value.errors) == lost  # type: ignore[attr-defined]
+        assert failed.value.result.stored == len(keys) - len(lost)  # type: ignore[attr-defined]
+        for i in lost:  # (each key's error names its own server)
+            assert addrs[ring.node_of(keys[i])] in str(failed.value.errors[i])  # type: ignore[attr-defined]
