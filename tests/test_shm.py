@@ -101,6 +101,23 @@ async def test_a_small_put_goes_over_the_socket_a_large_one_through_the_arena(
     assert done["shm"]["gets"] == after["shm"]["gets"] + 1
 
 
+async def test_a_large_get_through_the_arena_is_not_split_over_connections(make_server: MakeServer,
+                                                                          unix_path: str) -> None:
+    """Over a socket a get of at least twice ``split_bytes`` goes out in parts over the pool's
+    connections; through the arena the copy is the client's own, so parts would only add round
+    trips (a mutant split it: four SHM_GETs for one get)."""
+    make_server("--capacity", "64MiB", "--unix", unix_path)
+    keys = [key(i, "unsplit") for i in range(8)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    async with AsyncKVClient(unix(unix_path), namespace="split", pool_size=4, split_bytes=1 << 20) as kv:
+        assert kv.nodes[0].shm is not None
+        await kv.put(keys, blocks)
+        before = (await kv.stats())["shm"]["gets"]
+        bufs = [bytearray(1 << 20) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [True] * 8 and bufs == blocks
+        assert (await kv.stats())["shm"]["gets"] == before + 1
+
+
 async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path, "--page-size", "4KiB")
     sizes = [0, 1, 4095, 4096, 4097, 300_001]  # empty, sub-page, page edges, many pages
