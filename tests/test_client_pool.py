@@ -913,6 +913,27 @@ async def test_a_quarantined_server_is_not_asked_until_its_time_is_up(
         AsyncKVClient(srv.addr, quarantine=-1)
 
 
+async def test_calls_that_time_out_together_count_as_one_failure_of_the_server(make_server: MakeServer) -> None:
+    """Four requests in flight when a server stalls all time out at once: one failure, one
+    quarantine of its base length -- not four in a row (a mutant counted each: 8x as long, and
+    a scheduler's lookups missed for 3.2 s after the server came back instead of 0.4)."""
+    srv = make_server("--capacity", "64MiB")
+    assert srv.proc is not None
+    keys = [key(i, "together") for i in range(4)]
+    async with AsyncKVClient(srv.addr, namespace="q", timeout=0.5, retries=0, quarantine=0.4, pool_size=4) as kv:
+        await kv.put(keys, [b"x" * 3000] * 4)
+        await asyncio.gather(*(kv.put([key(10 + i, "open")], [bytes(4 << 20)]) for i in range(4)))  # (4 connections)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            got = await asyncio.gather(*(kv.lookup(keys[:i + 1]) for i in range(4)), return_exceptions=True)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert all(isinstance(g, RequestTimeout) for g in got), got
+        assert kv.nodes[0].failures == 1
+        await asyncio.sleep(0.6)  # (past the one quarantine)
+        assert await kv.lookup(keys) == 4
+
+
 async def test_a_quarantined_server_still_gets_the_leases_it_gave_back(make_server: MakeServer) -> None:
     """A pinned lookup whose caller gave up hands its reply's leases to an UNPIN; when another call
     had timed out meanwhile, quarantine refused that UNPIN at once, and the leases stayed their
