@@ -118,6 +118,32 @@ async def test_a_large_get_through_the_arena_is_not_split_over_connections(make_
         assert (await kv.stats())["shm"]["gets"] == before + 1
 
 
+async def test_an_announced_socket_path_that_now_belongs_to_another_server_is_not_mapped(
+        make_server: MakeServer, unix_path: str) -> None:
+    """``shm=True`` over TCP attaches through the socket path the server announces; on another
+    host, or after the path was taken over, that path can lead to another server. Its arena is not
+    this server's: used, a get would copy another server's bytes and a put write into slots the
+    other server has given to its own blocks. The client stays on the socket (the instance is
+    checked at the attach, and again before each operation: either check alone holds it)."""
+    first = make_server("--capacity", "32MiB", "--unix", unix_path)
+    os.unlink(unix_path)  # (it listens on, unreachable by that path)
+    other = make_server("--capacity", "32MiB", "--unix", unix_path)
+    keys = [key(i, "elsewhere") for i in range(4)]
+    blocks = [data(k, 1 << 20) for k in keys]
+    mine = [key(i, "mine") for i in range(4)]
+    async with AsyncKVClient(other.addr, namespace="n") as owner:
+        await owner.put(mine, [data(k, 1 << 20) for k in mine])
+    async with AsyncKVClient(first.addr, namespace="n", shm=True) as kv:
+        assert (await kv.put(keys, blocks)).stored == 4  # (4 MiB: through the arena, were there one)
+        bufs = [bytearray(1 << 20) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [True] * 4 and bufs == blocks
+        assert kv.nodes[0].shm is None
+        assert (await kv.stats())["shm"]["attached"] == 0
+    async with AsyncKVClient(other.addr, namespace="n") as owner:
+        assert await owner.exists(keys) == [False] * 4
+        assert [bytes(b) for b in await owner.get(mine)] == [data(k, 1 << 20) for k in mine]  # type: ignore[arg-type]
+
+
 async def test_odd_sizes_missing_keys_and_wrong_buffers(make_server: MakeServer, unix_path: str) -> None:
     make_server("--capacity", "16MiB", "--unix", unix_path, "--page-size", "4KiB")
     sizes = [0, 1, 4095, 4096, 4097, 300_001]  # empty, sub-page, page edges, many pages
