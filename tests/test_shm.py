@@ -864,6 +864,25 @@ async def _reserved(kv: AsyncKVClient, keys: list[bytes], size: int) -> tuple[An
     return conn, await conn.request(ShmPut(keys=keys, sizes=[size] * len(keys)))
 
 
+async def test_a_commit_with_checksums_not_one_per_key_is_refused_and_gives_the_slots_back(
+        make_server: MakeServer, unix_path: str) -> None:
+    """A client of its own committing 1 or 3 checksums for 2 keys: refused, the reservation given
+    back, nothing stored, and the connection serves on (without the check, a mutant answered
+    "internal error: IndexError")."""
+    make_server("--capacity", "8MiB", "--unix", unix_path)
+    size = 1 << 20
+    keys = [key(i, "sums") for i in range(2)]
+    async with AsyncKVClient("unix:" + unix_path, namespace="sums") as kv:
+        for sums in ([1], [1, 2, 3]):
+            conn, resp = await _reserved(kv, keys, size)
+            with pytest.raises(InvalidRequest, match=f"{len(sums)} checksums for 2 keys"):
+                await conn.request(ShmCommit(handle=resp.fields["handle"], checksums=sums))
+            stats = await kv.stats()
+            assert stats["store"]["reserved_bytes"] == 0 and stats["shm"]["put_keys"] == 0
+            assert await kv.exists(keys) == [False, False] and not conn.closed
+        assert (await kv.put(keys, [data(k, size) for k in keys])).stored == 2
+
+
 async def test_a_client_slow_to_copy_into_its_slots_is_not_cut_off_by_the_idle_timeout(
         make_server: MakeServer, unix_path: str) -> None:
     """Closing the connection would free the slots while the client, only slow (paused, in a
