@@ -62,20 +62,20 @@ def make_server() -> Iterator[Callable[..., ServerProcess]]:
 
 @pytest.fixture
 def make_engine(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine]]:
-    """``make_engine(addr, async_scheduling=..., namespace=..., **extra)``: a stepped vLLM engine
-    whose OffloadingConnector uses kvstore at ``addr``; shut down after the test.
+    """``make_engine(addr, async_scheduling=..., namespace=..., tensor_parallel_size=..., **extra)``: a
+    stepped vLLM engine whose OffloadingConnector uses kvstore at ``addr``; shut down after the test.
     """
     engines: list[Engine] = []
 
     def make(addr: str, *, async_scheduling: bool = False, namespace: str | None = None,
              offloaded_block_size: int = 12, gpu_block_size: int = 4, num_gpu_blocks: int = 100,
              sliding_window: int | None = None, hybrid: bool = False, load_failure_policy: str | None = None,
-             **extra: Any) -> Engine:
+             tensor_parallel_size: int = 1, **extra: Any) -> Engine:
         ns = namespace or f"test/{request.node.name}"
         engine = Engine(model_dir, kvstore_extra_config(addr, ns, offloaded_block_size, **extra),
                         gpu_block_size=gpu_block_size, num_gpu_blocks=num_gpu_blocks,
                         async_scheduling=async_scheduling, sliding_window=sliding_window, hybrid=hybrid,
-                        load_failure_policy=load_failure_policy)
+                        load_failure_policy=load_failure_policy, tensor_parallel_size=tensor_parallel_size)
         engines.append(engine)
         return engine
 

@@ -1,8 +1,9 @@
 """Drive vLLM's real scheduler and ``OffloadingConnector`` by hand, with kvstore behind them.
 
-:class:`Engine` plays what vLLM's engine core and one GPU worker do each step --
-``schedule()``, hand the connector metadata to the worker connector, run the
-transfers, feed a fake sampled token back through ``update_from_output`` -- but
+:class:`Engine` plays what vLLM's engine core and its GPU workers (one, or one per
+tensor-parallel rank) do each step -- ``schedule()``, hand the connector metadata to
+the worker connectors, run the transfers, feed a fake sampled token back through
+``update_from_output`` -- but
 with no model: the "GPU" KV cache is a set of CPU tensors filled with random
 numbers, so the bytes that travel through the kvstore server can be checked.
 
@@ -13,6 +14,7 @@ behind on outputs) are supported. The structure follows vLLM's own
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,12 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -119,7 +123,7 @@ class StepLog:
 
 
 class Engine:
-    """A vLLM scheduler + one worker connector + a CPU "GPU" KV cache, stepped by hand.
+    """A vLLM scheduler + a worker connector and a CPU "GPU" KV cache per rank, stepped by hand.
 
     Args:
         model_dir: from :func:`write_model_dir`.
@@ -132,11 +136,20 @@ class Engine:
         load_failure_policy: with a policy (``"recompute"`` or ``"fail"``), kvstore's
             ``KVStoreConnector`` under vLLM's ``kv_load_failure_policy``; without, vLLM's
             ``OffloadingConnector``.
+        tensor_parallel_size: GPU workers (ranks). Above 1, each rank has its own copy of the
+            config with ``parallel_config.rank`` set (as vLLM's ``WorkerBase`` does in each worker
+            process), its own worker connector and "GPU" KV cache (different random bytes), and
+            gets its own copy of each step's connector metadata; their connector outputs
+            are combined by vLLM's ``KVOutputAggregator``, as the executor does. ``worker``,
+            ``worker_connector`` and ``kv_caches`` are rank 0's (``workers``,
+            ``worker_connectors``, ``rank_kv_caches``: all ranks'); :meth:`run` returns rank 0's
+            transfers (``rank_logs``: each rank's).
     """
 
     def __init__(self, model_dir: Path, extra_config: dict[str, Any], *, gpu_block_size: int = 4,
                  num_gpu_blocks: int = 100, async_scheduling: bool = False, sliding_window: int | None = None,
-                 hybrid: bool = False, load_failure_policy: str | None = None) -> None:
+                 hybrid: bool = False, load_failure_policy: str | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         self.async_scheduling = async_scheduling
         self.gpu_block_size = gpu_block_size
         model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
@@ -154,6 +167,8 @@ class Engine:
                              kv_role="kv_both", kv_connector_extra_config=extra_config,
                              kv_load_failure_policy=load_failure_policy),  # type: ignore[arg-type]
             device_config=DeviceConfig("cpu"),
+            **({"parallel_config": ParallelConfig(tensor_parallel_size=tensor_parallel_size)}
+               if tensor_parallel_size > 1 else {}),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         shape = {"block_size": gpu_block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE,
@@ -172,35 +187,55 @@ class Engine:
                                            log_stats=True,
                                            structured_output_manager=StructuredOutputManager(self.vllm_config),
                                            block_size=gpu_block_size)
-            connector_cls = OffloadingConnector if load_failure_policy is None else KVStoreConnector
-            self.worker_connector = connector_cls(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            # The "GPU" KV cache: [num_blocks, K/V, block_size, heads, head_size] per layer, random.
-            gen = torch.Generator().manual_seed(1234)
-            self.kv_caches = {
-                name: torch.randn(num_gpu_blocks, 2, gpu_block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen,
-                                  dtype=torch.float32).to(torch.float16)
-                for name in LAYERS
-            }
-            self.worker_connector.register_kv_caches(self.kv_caches)
+        connector_cls = OffloadingConnector if load_failure_policy is None else KVStoreConnector
+        self.worker_connectors: list[OffloadingConnector] = []
+        self.rank_kv_caches: list[dict[str, torch.Tensor]] = []
+        self.workers: list[KVStoreOffloadingWorker] = []
+        for rank in range(tensor_parallel_size):
+            if tensor_parallel_size == 1:
+                worker_config = self.vllm_config
+            else:  # (each worker process has its own config, rank set by vLLM's WorkerBase)
+                worker_config = copy.deepcopy(self.vllm_config)
+                worker_config.parallel_config.rank = rank
+            with set_current_vllm_config(worker_config):
+                wc = connector_cls(worker_config, KVConnectorRole.WORKER, kv_cache_config)
+                # The "GPU" KV cache: [num_blocks, K/V, block_size, heads, head_size] per layer, random.
+                gen = torch.Generator().manual_seed(1234 + rank)
+                kv_caches = {
+                    name: torch.randn(num_gpu_blocks, 2, gpu_block_size, NUM_KV_HEADS, HEAD_SIZE, generator=gen,
+                                      dtype=torch.float32).to(torch.float16)
+                    for name in LAYERS
+                }
+                wc.register_kv_caches(kv_caches)
+            assert wc.connector_worker is not None
+            worker = wc.connector_worker.worker
+            assert isinstance(worker, KVStoreOffloadingWorker)
+            self.worker_connectors.append(wc)
+            self.rank_kv_caches.append(kv_caches)
+            self.workers.append(worker)
+        self.worker_connector = self.worker_connectors[0]
+        self.kv_caches = self.rank_kv_caches[0]
+        self.worker: KVStoreOffloadingWorker = self.workers[0]
 
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
-        assert connector.connector_scheduler is not None and self.worker_connector.connector_worker is not None
+        assert connector.connector_scheduler is not None
         self.connector_scheduler = connector.connector_scheduler
         manager = self.connector_scheduler.manager
         assert isinstance(manager, KVStoreOffloadingManager)
         self.manager: KVStoreOffloadingManager = manager
-        worker = self.worker_connector.connector_worker.worker
-        assert isinstance(worker, KVStoreOffloadingWorker)
-        self.worker: KVStoreOffloadingWorker = worker
-        self._record_transfers()
+        # (as vLLM's executor: a request's transfer is finished once every rank reported it)
+        self._aggregator = None if tensor_parallel_size == 1 else \
+            KVOutputAggregator.from_connector(connector, self.vllm_config.parallel_config.world_size)
+        self.rank_logs = [StepLog() for _ in self.workers]
+        for rank in range(tensor_parallel_size):
+            self._record_transfers(rank)
 
         init_none_hash(sha256)
         self._block_hasher = get_request_block_hasher(gpu_block_size, sha256)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
         self._gpu_block_index: dict[int, int] = {}  # GPU block id -> its index in its request
-        self._log = StepLog()
         self._pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # async: previous step
         self.sampled = False  # whether the last step sampled a token (not only chunks of prompts)
 
@@ -222,7 +257,7 @@ class Engine:
         (steps that only wait for loads sample nothing), and after an EOS until the scheduler
         holds no request; returns the transfers that ran meanwhile.
         """
-        self._log = StepLog()
+        self.rank_logs[:] = [StepLog() for _ in self.workers]
         tokens = list(decoded_tokens)
         for _ in range(len(tokens) + 20):
             if not tokens:
@@ -234,7 +269,7 @@ class Engine:
             raise AssertionError(f"{len(tokens)} tokens were never sampled")
         if EOS_TOKEN_ID in decoded_tokens:
             self.drain()
-        return self._log
+        return self.rank_logs[0]
 
     def drain(self, max_steps: int = 20) -> None:
         """Step with nothing to sample until every request and transfer has finished."""
@@ -259,18 +294,10 @@ class Engine:
         self._index_gpu_blocks()
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
-        wc = self.worker_connector
-        wc.handle_preemptions(meta)
-        wc.bind_connector_metadata(meta)
-        wc.start_load_kv(None)  # type: ignore[arg-type]  # the connector does not use the forward context
-        if out.total_num_scheduled_tokens > 0 or like_vllm:
-            wc.wait_for_save()
-        if not like_vllm:
-            self.worker.wait_all()  # deterministic: every transfer submitted so far is done
-        results = wc.get_transfer_results(out.finished_req_ids)  # (as vLLM's model runner asks)
-        invalid_block_ids = wc.get_block_ids_with_load_errors()
-        worker_meta = wc.build_connector_worker_meta()
-        wc.clear_connector_metadata()
+        # (each worker gets its own copy, as over vLLM's RPC: a worker connector pops jobs from it)
+        connector_outputs = [
+            self._worker_step(wc, worker, out, meta if len(self.workers) == 1 else copy.deepcopy(meta), like_vllm)
+            for wc, worker in zip(self.worker_connectors, self.workers)]
 
         req_ids = [rid for rid in out.num_scheduled_tokens]
         # A request whose prompt is not all computed yet (a chunked prefill) samples nothing: vLLM's
@@ -278,16 +305,18 @@ class Engine:
         sampled = [[] if self.scheduler.requests[rid].is_prefill_chunk else [token_id if token_id is not None else 0]
                    for rid in req_ids]
         self.sampled = any(sampled)
-        runner_output = ModelRunnerOutput(
+        outputs = [ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_sending=results.finished_sending,
-                                                  finished_recving=results.finished_recving,
-                                                  failed_recving=results.failed_recving,
-                                                  invalid_block_ids=invalid_block_ids,
-                                                  kv_connector_worker_meta=worker_meta),
-        )
+            sampled_token_ids=[list(s) for s in sampled],
+            kv_connector_output=kv_output,
+        ) for kv_output in connector_outputs]
+        if self._aggregator is None:
+            [runner_output] = outputs
+        else:
+            aggregated = self._aggregator.aggregate(list(outputs))
+            assert aggregated is not None
+            runner_output = aggregated
         if self.async_scheduling:  # outputs arrive one step late
             if self._pending is not None:
                 self.scheduler.update_from_output(*self._pending)
@@ -295,6 +324,26 @@ class Engine:
         else:
             self.scheduler.update_from_output(out, runner_output)
         return out
+
+    def _worker_step(self, wc: OffloadingConnector, worker: KVStoreOffloadingWorker, out: SchedulerOutput,
+                     meta: OffloadingConnectorMetadata, like_vllm: bool) -> KVConnectorOutput:
+        """What one GPU worker's model runner does with the connector in a step; its output."""
+        wc.handle_preemptions(meta)
+        wc.bind_connector_metadata(meta)
+        wc.start_load_kv(None)  # type: ignore[arg-type]  # the connector does not use the forward context
+        if out.total_num_scheduled_tokens > 0 or like_vllm:
+            wc.wait_for_save()
+        if not like_vllm:
+            worker.wait_all()  # deterministic: every transfer submitted so far is done
+        results = wc.get_transfer_results(out.finished_req_ids)  # (as vLLM's model runner asks)
+        invalid_block_ids = wc.get_block_ids_with_load_errors()
+        worker_meta = wc.build_connector_worker_meta()
+        wc.clear_connector_metadata()
+        return KVConnectorOutput(finished_sending=results.finished_sending,
+                                 finished_recving=results.finished_recving,
+                                 failed_recving=results.failed_recving,
+                                 invalid_block_ids=invalid_block_ids,
+                                 kv_connector_worker_meta=worker_meta)
 
     # -- bookkeeping
     def _index_gpu_blocks(self) -> None:
@@ -304,16 +353,16 @@ class Engine:
                     if block.block_id:  # (0: a sliding window's null block, outside the window)
                         self._gpu_block_index[block.block_id] = index
 
-    def _record_transfers(self) -> None:
-        worker = self.worker
+    def _record_transfers(self, rank: int) -> None:
+        worker = self.workers[rank]
         submit_store, submit_load = worker.submit_store, worker.submit_load
 
         def store(job_id: int, src: GPULoadStoreSpec, dst: LoadStoreSpec) -> bool:
-            self._log.stores.append(self._transfer(job_id, True, src, dst))
+            self.rank_logs[rank].stores.append(self._transfer(job_id, True, src, dst))
             return submit_store(job_id, src, dst)
 
         def load(job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec, expedited: bool = False) -> bool:
-            self._log.loads.append(self._transfer(job_id, False, dst, src, expedited))
+            self.rank_logs[rank].loads.append(self._transfer(job_id, False, dst, src, expedited))
             return submit_load(job_id, src, dst, expedited)
 
         worker.submit_store = store  # type: ignore[method-assign]
@@ -332,6 +381,7 @@ class Engine:
         return [b.block_id for b in manager.req_to_blocks[request.request_id]]
 
     def shutdown(self) -> None:
-        self.worker_connector.shutdown()
+        for wc in self.worker_connectors:
+            wc.shutdown()
         assert self.scheduler.connector is not None
         self.scheduler.connector.shutdown()
