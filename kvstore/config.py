@@ -71,9 +71,11 @@ def note_env(message: str, argv: Sequence[str], flags: Iterable[str], prefix: st
 
 
 def format_size(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``; the unit is picked after rounding (1023.96 is ``1.0 KiB``, not ``1024 B``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        shown = f"{n:.0f}" if unit == "B" else f"{n:.1f}"
+        if abs(float(shown)) < 1024 or unit == "TiB":
+            return f"{shown} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

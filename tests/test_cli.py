@@ -220,6 +220,10 @@ def test_flush_asks_first(server) -> None:
         assert r.returncode == 1 and kv.exists(keys) == [True] * 3
         r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"y\n")
         assert r.returncode == 0 and kv.exists(keys) == [False] * 3
+        for answer in (b"yes\n", b" Y \n"):  # (a mutant took "yes" for a no)
+            kv.put(keys, [b"v"] * 3)
+            r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=answer)
+            assert r.returncode == 0 and kv.exists(keys) == [False] * 3, r
         kv.put(keys, [b"v"] * 3)
         r = cli("--namespace", "victim", "flush", "--yes", addr=server.addr)  # no question asked
         assert r.returncode == 0 and "flushed 3 block(s)" in r.stdout.decode() and kv.exists(keys) == [False] * 3

@@ -1,0 +1,80 @@
+"""How the server's and kvstore-cli's settings read their values, in process: sizes, switches,
+bounds, and empty environment variables. (What they print when a value is wrong is
+test_cli_messages'; these hold the edges a mutation review found no test at.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.client.cli import build_parser as cli_parser
+from kvstore.config import format_size, parse_bool, parse_size
+from kvstore.server.cli import _misspelt_env, build_parser, config_from_args
+
+
+@pytest.mark.parametrize("text, size", [
+    ("65536", 65536), ("1kB", 1000), ("1k", 1000), ("1MB", 10**6), ("1.5G", 1_500_000_000), ("2TB", 2 * 10**12),
+    ("64KiB", 65536), ("1ki", 1024), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("1TiB", 1 << 40), (" 4 gib ", 4 << 30),
+])
+def test_sizes_are_decimal_without_the_i_and_binary_with_it(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (1023, "1023 B"), (1023.96, "1.0 KiB"), (1536, "1.5 KiB"), ((1 << 20) - 1, "1.0 MiB"),
+    ((1 << 20) - 60_000, "965.4 KiB"), (3 << 30, "3.0 GiB"), (5 << 50, "5120.0 TiB"), (-2048, "-2.0 KiB"),
+])
+def test_sizes_are_shown_in_the_unit_their_rounded_value_fits(n: float, text: str) -> None:
+    assert format_size(n) == text  # (just under 1 MiB read "1024.0 KiB")
+
+
+@pytest.mark.parametrize("text, value", [
+    *[(t, True) for t in ("1", "true", "yes", "on", "ON", " True ")],
+    *[(t, False) for t in ("0", "false", "no", "off", "Off", " NO ")],
+])
+def test_switches_take_the_usual_words(text: str, value: bool) -> None:
+    assert parse_bool(text) is value
+
+
+def test_the_largest_frame_a_client_reads_is_a_frame_size_the_server_takes() -> None:
+    assert config_from_args(["--max-frame-size", "2GiB"]).max_frame_size == 2 << 30  # (the default, written out)
+    with pytest.raises(SystemExit) as refused:
+        config_from_args(["--max-frame-size", str((2 << 30) + 1)])
+    assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("flag, edge, beyond", [("--port", "65535", "65536"), ("--busy-poll-us", "10000", "10001")])
+def test_a_bound_is_taken_and_one_past_it_refused(flag: str, edge: str, beyond: str) -> None:
+    dest = flag[2:].replace("-", "_")
+    assert getattr(config_from_args([flag, edge]), dest) == int(edge)
+    with pytest.raises(SystemExit):
+        config_from_args([flag, beyond])
+
+
+def test_an_empty_server_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line ``KVSTORE_CAPACITY=`` in an env file: the default, not a usage error."""
+    default = config_from_args([])
+    for name in ("CAPACITY", "PORT", "EVICTION", "NO_SHM"):
+        monkeypatch.setenv(f"KVSTORE_{name}", "")
+    assert config_from_args([]) == default
+
+
+def test_the_clients_variables_are_no_misspelt_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server and kvstore-cli may share an environment: KVSTORE_TIMEOUT is the CLI's, not a
+    misspelt KVSTORE_IDLE_TIMEOUT (their names are that close)."""
+    for name in ("ADDR", "NAMESPACE", "TIMEOUT", "TLS", "TLS_CA", "TLS_SERVER_NAME", "CLIENT_THREADS"):
+        monkeypatch.setenv(f"KVSTORE_{name}", "1")
+    assert _misspelt_env(build_parser()) == []
+    monkeypatch.setenv("KVSTORE_IDLE_TIMEOT", "5")
+    assert _misspelt_env(build_parser()) == [
+        "environment variable KVSTORE_IDLE_TIMEOT is no setting of kvstore-server (ignored): KVSTORE_IDLE_TIMEOUT?"]
+
+
+def test_cli_empty_variables_mean_unset_and_its_edges_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TIMEOUT", "NAMESPACE", "ADDR", "TLS"):
+        monkeypatch.setenv(f"KVSTORE_{name}", "")
+    args = cli_parser().parse_args(["watch", "-i", "0", "-c", "1"])
+    assert (args.timeout, args.namespace, args.addr, args.tls, args.interval) == (10.0, "default", "127.0.0.1:7600",
+                                                                                 False, 0.0)
+    assert cli_parser().parse_args(["--namespace", "n" * 256, "stats"]).namespace == "n" * 256  # (as HELLO)
+    with pytest.raises(SystemExit):
+        cli_parser().parse_args(["--namespace", "n" * 257, "stats"])
