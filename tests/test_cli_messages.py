@@ -66,6 +66,14 @@ def test_a_port_in_use_names_the_flag_and_address_and_exits_2(taken_port: int) -
         f"kvstore-server: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
 
 
+def test_an_address_not_of_this_host_is_the_hosts_fault_not_the_ports() -> None:
+    """(mutation review) EADDRNOTAVAIL: --host names an address no interface of this host has."""
+    r = server_run("--host", "192.0.2.1", "--port", "7601")  # (TEST-NET-1: documentation only, never assigned)
+    assert r.returncode == 2
+    assert error_line(r, "kvstore-server") == \
+        "kvstore-server: --host 192.0.2.1: cannot listen on 192.0.2.1:7601: Cannot assign requested address"
+
+
 def test_a_port_in_use_fails_before_the_capacity_is_pre_faulted(taken_port: int) -> None:
     """It failed only after --capacity was faulted in: 7 s and 3 GiB of RSS for 3 GiB, at every
     restart by a supervisor."""
