@@ -108,6 +108,36 @@ def test_stale_socket_file_is_replaced_and_a_live_one_refused(unix_path: str) ->
         assert srv.proc is not None and srv.proc.poll() is None
 
 
+def test_a_start_that_finds_its_socket_path_taken_late_leaves_the_other_servers_socket(unix_path: str) -> None:
+    """The path is checked before pre-faulting and the Redis connect; another server can take it
+    before the bind (here while this one waits on a Redis that never answers). The start then
+    fails, and what it leaves must not include unlinking the other's socket file (a mutant did:
+    that server kept serving TCP, but no same-host client could reach it again)."""
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)  # accepts, never answers: the Redis connect waits --redis-timeout
+    try:
+        late = subprocess.Popen([sys.executable, "-m", "kvstore.server.cli", "--port", "0", "--metrics-port", "off",
+                                 "--capacity", "8MiB", "--unix", unix_path, "--redis-timeout", "3",
+                                 "--redis", f"redis://127.0.0.1:{hang.getsockname()[1]}/0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            time.sleep(1)  # (its checks done: waiting on Redis)
+            with ServerProcess("--capacity", "8MiB", "--unix", unix_path) as first:
+                out, _ = late.communicate(timeout=30)
+                assert late.returncode == 2 and "another server is listening" in out, out
+                assert os.path.exists(unix_path)
+                with KVClient(f"unix:{unix_path}") as kv:
+                    assert kv.ping() >= 0
+                assert first.proc is not None and first.proc.poll() is None
+        finally:
+            if late.poll() is None:
+                late.kill()
+                late.communicate()
+    finally:
+        hang.close()
+
+
 def test_a_listener_that_accepts_nothing_is_refused_not_waited_on(unix_path: str) -> None:
     from kvstore.server.shm import check_unix_path
 
