@@ -488,6 +488,38 @@ async def test_read_pins_expire_while_a_health_probe_waits_on_a_redis_that_hangs
             redis.proc.send_signal(signal.SIGCONT)
 
 
+async def test_a_stop_asked_while_the_start_waits_on_redis_leaves_nothing_of_the_tier_behind(make_redis) -> None:  # type: ignore[no-untyped-def]
+    """(In process: the CLI's exit ends everything anyway; an embedding program runs on.) The
+    stop cancels the start; what the start had opened, the tier's tasks and its connections to
+    Redis, is closed with it, not left to an embedding program's loop."""
+    import signal
+
+    from kvstore.config import ServerConfig
+    from kvstore.server.app import Server
+
+    redis = make_redis()
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        before = set(asyncio.all_tasks())
+        server = Server(ServerConfig(host="127.0.0.1", port=0, capacity=1 << 20, prefault=False, redis=redis.url,
+                                     redis_mode="write-behind", redis_timeout=5))
+        serving = asyncio.ensure_future(server.serve_forever(install_signals=False))
+        await asyncio.sleep(0.5)  # (the start waits on the frozen Redis)
+        assert not serving.done()
+        server.request_stop()
+        await asyncio.wait_for(serving, 10)
+        await asyncio.sleep(0.1)
+        assert [t.get_name() for t in set(asyncio.all_tasks()) - before if t is not asyncio.current_task()] == []
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+
+    async def only_the_cli_connected() -> bool:
+        return int(redis.cli("INFO", "clients").split("connected_clients:")[1].split()[0]) == 1
+
+    await eventually(only_the_cli_connected, 10, "the server's connections to Redis to close")
+
+
 def test_a_stop_asked_while_the_start_waits_on_a_redis_that_hangs_never_listens(make_redis) -> None:  # type: ignore[no-untyped-def]
     """The start waited out the probe of a frozen Redis (about twice --redis-timeout), then listened
     -- a supervisor saw the server come up -- and only then stopped."""
@@ -514,3 +546,4 @@ def test_a_stop_asked_while_the_start_waits_on_a_redis_that_hangs_never_listens(
         redis.proc.send_signal(signal.SIGCONT)
     assert server.returncode == 0
     assert "stopped before it started serving" in err and "listening" not in err
+    assert "draining" not in err  # (nothing to drain: a mutant went on to the drain of a server that never served)
