@@ -373,6 +373,31 @@ def test_a_drain_closes_an_idle_connection_while_another_keeps_it_busy(make_serv
     assert srv.proc.wait(15) == 0
 
 
+def test_a_reply_still_going_out_when_the_drain_times_out_gets_a_second_to_leave(make_server) -> None:
+    """(mutation review) Past --drain-seconds, connections are finished: they answer nothing more
+    but let what was written go out -- for at least a second, however short the drain. A mutant
+    stopped at the drain's deadline: the process exited with the reply half sent. (The whole reply
+    is written before the drain ends: within --max-pending-out, and never read meanwhile.)"""
+    from kvstore.protocol import Get
+
+    srv = make_server("--capacity", "64MiB", "--drain-seconds", "0.05", "--max-pending-out", "32MiB")
+    assert srv.proc is not None
+    keys = [key(i, "leaving") for i in range(8)]
+    with KVClient(srv.addr) as kv:
+        kv.put(keys, [bytes([i]) * (1 << 20) for i in range(8)])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as slow:
+        slow.sendall(b"".join(bytes(b) for b in encode(Get(keys=keys), 1)))  # 8 MiB, not read yet
+        time.sleep(0.2)
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_log("drain timed out")
+        time.sleep(0.2)  # (past the drain's deadline: the reply is what is left to do)
+        got = bytearray()
+        while chunk := slow.recv(1 << 20):
+            got += chunk
+    assert len(got) > 8 << 20 and got.endswith(bytes([7]) * (1 << 20)), len(got)
+    assert srv.proc.wait(10) == 0
+
+
 def test_sigint_with_idle_clients_exits_zero(server) -> None:
     with KVClient(server.addr) as kv:
         kv.ping()
