@@ -42,7 +42,8 @@ def test_the_largest_frame_a_client_reads_is_a_frame_size_the_server_takes() -> 
     assert refused.value.code == 2
 
 
-@pytest.mark.parametrize("flag, edge, beyond", [("--port", "65535", "65536"), ("--busy-poll-us", "10000", "10001")])
+@pytest.mark.parametrize("flag, edge, beyond", [("--port", "65535", "65536"), ("--busy-poll-us", "10000", "10001"),
+                                                ("--page-size", "4096", "4095")])
 def test_a_bound_is_taken_and_one_past_it_refused(flag: str, edge: str, beyond: str) -> None:
     dest = flag[2:].replace("-", "_")
     assert getattr(config_from_args([flag, edge]), dest) == int(edge)
