@@ -79,3 +79,12 @@ def test_cli_empty_variables_mean_unset_and_its_edges_are_taken(monkeypatch: pyt
     assert cli_parser().parse_args(["--namespace", "n" * 256, "stats"]).namespace == "n" * 256  # (as HELLO)
     with pytest.raises(SystemExit):
         cli_parser().parse_args(["--namespace", "n" * 257, "stats"])
+
+
+@pytest.mark.parametrize("flag", ["--lease-seconds", "--max-lease-seconds", "--redis-timeout"])
+def test_seconds_that_must_be_positive_refuse_zero(flag: str) -> None:
+    """A lease of 0 s would pin nothing; a Redis socket timeout of 0 is a non-blocking socket, on
+    which every Redis call fails."""
+    assert getattr(config_from_args([flag, "0.5"]), flag[2:].replace("-", "_")) == 0.5
+    with pytest.raises(SystemExit):
+        config_from_args([flag, "0"])
