@@ -107,6 +107,11 @@ def test_a_tp2_prefill_stores_each_ranks_slice_under_its_rank(make_engine: Calla
                 assert payload is not None, f"rank {rank}'s slice was not stored"
                 assert payload_layers(payload) == original[key][rank], f"rank {rank}'s key holds other bytes"
         assert kv.stats()["namespaces"][ns]["blocks"] == TP * CHUNKS
+        # Each rank's slices form a chain of their own on the server (each put names its rank's
+        # predecessor): one rank's chunk gone strands that rank's later chunks, not the other's.
+        assert kv.stats()["store"]["stranded_blocks"] == 0
+        assert kv.delete([store_key(keys[1], 0)]) == 1
+        assert kv.stats()["store"]["stranded_blocks"] == CHUNKS - 2
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
