@@ -88,3 +88,18 @@ def test_seconds_that_must_be_positive_refuse_zero(flag: str) -> None:
     assert getattr(config_from_args([flag, "0.5"]), flag[2:].replace("-", "_")) == 0.5
     with pytest.raises(SystemExit):
         config_from_args([flag, "0"])
+
+
+def test_cli_reads_its_token_file_from_the_environment_and_ping_pings_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_TOKEN_FILE", "/etc/kvstore/token")
+    args = cli_parser().parse_args(["ping"])
+    assert (args.token_file, args.count) == ("/etc/kvstore/token", 1)
+
+
+@pytest.mark.parametrize("text", ["00112233445566778899aabbccddeeff", "0x00112233445566778899AABBCCDDEEFF",
+                                  "00:11:22:33:44:55:66:77:88:99:aa:bb:cc:dd:ee:ff",
+                                  " 0011 2233 4455 6677 8899 aabb ccdd eeff "])
+def test_cli_keys_are_hex_with_or_without_0x_colons_and_spaces(text: str) -> None:
+    from kvstore.client.cli import parse_key
+
+    assert parse_key(text) == bytes.fromhex("00112233445566778899aabbccddeeff")
