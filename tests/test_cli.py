@@ -66,8 +66,8 @@ def test_put_get_exists_delete_round_trip_in_hex(server, tmp_path: Path) -> None
         assert [bytes(b) for b in kv.get([bytes.fromhex(KEY), bytes.fromhex("ab" * 16)])] == [VALUE, b"from a file"]
     r = cli("exists", KEY, "cd" * 16, "-n", "dbg", addr=server.addr)
     assert r.returncode == 1 and r.stdout.decode().split("\n")[:2] == [f"{KEY} present", f"{'cd' * 16} missing"]
-    r = cli("delete", KEY, "-n", "dbg", addr=server.addr)
-    assert r.returncode == 0 and "deleted 1 of 1" in r.stdout.decode()
+    r = cli("delete", KEY, "cd" * 16, "-n", "dbg", addr=server.addr)  # (one of them was never there)
+    assert r.returncode == 0 and "deleted 1 of 2" in r.stdout.decode()
     r = cli("get", KEY, "-n", "dbg", addr=server.addr)
     assert r.returncode == 1 and "not found" in one_error_line(r)
 
@@ -215,6 +215,8 @@ def test_flush_asks_first(server) -> None:
         kv.put(keys, [b"v"] * 3)
         r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"n\n")
         assert r.returncode == 1 and "Delete all 3 block(s)" in r.stdout.decode()
+        r = cli("flush", "--namespace", "nothing-there", addr=server.addr, stdin=b"n\n")
+        assert r.returncode == 1 and "Delete all 0 block(s)" in r.stdout.decode()  # (every namespace is listed)
         assert kv.exists(keys) == [True] * 3  # answered "n": nothing deleted
         r = cli("flush", "--namespace", "victim", addr=server.addr, stdin=b"")  # EOF is a no too
         assert r.returncode == 1 and kv.exists(keys) == [True] * 3

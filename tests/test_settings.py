@@ -103,3 +103,18 @@ def test_cli_keys_are_hex_with_or_without_0x_colons_and_spaces(text: str) -> Non
     from kvstore.client.cli import parse_key
 
     assert parse_key(text) == bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def test_cli_tls_without_a_ca_file_verifies_against_the_system_cas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.client.cli import _tls
+
+    assert _tls(cli_parser().parse_args(["--tls", "stats"])) is True
+    assert _tls(cli_parser().parse_args(["stats"])) is None
+    monkeypatch.setenv("KVSTORE_TLS", "on")
+    assert _tls(cli_parser().parse_args(["stats"])) is True
+
+
+def test_cli_percentages() -> None:
+    from kvstore.client.cli import _pct
+
+    assert (_pct(1, 4), _pct(0, 4), _pct(3, 3), _pct(0, 0)) == ("25.0%", "0.0%", "100.0%", "-")
