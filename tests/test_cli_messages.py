@@ -394,6 +394,9 @@ def test_a_key_with_an_odd_number_of_digits_says_so() -> None:
     assert error_line(r, "kvstore-cli") == "kvstore-cli: not a hex key: '001' (3 hex digits, an odd number: each byte takes two)"
     r = cli("--addr", dead_addr(), "get", "0g")
     assert error_line(r, "kvstore-cli") == "kvstore-cli: not a hex key: '0g'"  # not hex at all: nothing to add
+    for command in ("put", "exists", "delete"):  # (each before connecting: not a connection error)
+        r = cli("--addr", dead_addr(), command, "0g")
+        assert r.returncode == 2 and error_line(r, "kvstore-cli") == "kvstore-cli: not a hex key: '0g'", command
 
 
 def test_a_missing_ca_file_is_named_with_its_flag(tmp_path: Path) -> None:

@@ -118,3 +118,10 @@ def test_cli_percentages() -> None:
     from kvstore.client.cli import _pct
 
     assert (_pct(1, 4), _pct(0, 4), _pct(3, 3), _pct(0, 0)) == ("25.0%", "0.0%", "100.0%", "-")
+
+
+def test_the_documented_defaults() -> None:
+    """README, docs/operations.md and --help give these: a change is one for every operator."""
+    c = config_from_args([])
+    assert (c.host, c.port, c.capacity, c.eviction, c.drain_seconds, c.metrics_port) == \
+        ("127.0.0.1", 7600, 1 << 30, "lru", 10.0, None)
