@@ -125,3 +125,26 @@ def test_the_documented_defaults() -> None:
     c = config_from_args([])
     assert (c.host, c.port, c.capacity, c.eviction, c.drain_seconds, c.metrics_port) == \
         ("127.0.0.1", 7600, 1 << 30, "lru", 10.0, None)
+
+
+def test_the_meta_limit_grows_with_the_batch_limit() -> None:
+    """A batch of --max-batch keys of 128 bytes fits a request's meta (msgpack: ~130 bytes a key)."""
+    assert config_from_args([]).limits().max_meta == 4 << 20
+    assert config_from_args(["--max-batch", "65536"]).limits().max_meta == 65536 * 256  # (16 MiB)
+
+
+def test_the_defaults_in_the_operations_guide_are_the_servers() -> None:
+    """Each row of docs/operations.md's flag table with a value as its default names the server's."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    config, checked = config_from_args([]), []
+    for flag, default in re.findall(r"^\| `(--[a-z-]+)[^`]*` \| `([^`]+)` \|", guide, re.M):
+        value = getattr(config, flag[2:].replace("-", "_"))
+        if isinstance(value, str):
+            assert value == default, flag
+        else:
+            assert value == (parse_size(default) if default[-1] == "B" else float(default)), (flag, default, value)
+        checked.append(flag)
+    assert len(checked) >= 10 and "--idle-timeout" in checked, checked
