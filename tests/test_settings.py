@@ -11,6 +11,15 @@ from kvstore.config import format_size, parse_bool, parse_size
 from kvstore.server.cli import _misspelt_env, build_parser, config_from_args
 
 
+@pytest.fixture(autouse=True)
+def no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults are read with no KVSTORE_* variable set (a developer's shell may have some)."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize("text, size", [
     ("65536", 65536), ("1kB", 1000), ("1k", 1000), ("1MB", 10**6), ("1.5G", 1_500_000_000), ("2TB", 2 * 10**12),
     ("64KiB", 65536), ("1ki", 1024), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("1TiB", 1 << 40), (" 4 gib ", 4 << 30),
