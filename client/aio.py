@@ -518,7 +518,7 @@ class AsyncKVClient:
         """Drop leases, in runs the servers take; best effort: a lease not dropped ends with its time."""
         async def drop(node: Node, keys: list[bytes]) -> None:
             for run in node.key_runs(len(keys)):
-                await node.call(Unpin(keys=keys[run.start:run.stop]), idempotent=False)
+                await node.call(Unpin(keys=keys[run.start:run.stop]), idempotent=False, always=True)
 
         await asyncio.gather(*(drop(node, keys) for node, keys in leases if keys), return_exceptions=True)
 
@@ -777,7 +777,8 @@ class AsyncKVClient:
             await node.ready(idempotent, always)
             n = 0
             for run in node.key_runs(len(idx)):
-                resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent)
+                resp = await node.call(make(_pick(keys, idx[run.start:run.stop])), idempotent=idempotent,
+                                       always=always)
                 n += replies.count(resp.fields, "n")
             return n
 

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from kvstore.errors import InvalidRequest, KVStoreError, RequestTimeout, TransportError, Unavailable
-from kvstore.protocol import Message, Ping, Unpin
+from kvstore.protocol import Message, Ping
 
 from .connection import ClientConnection, NotHome, NotSent, Response, open_connection
 from .shm import ShmChannel, file_id, open_channel
@@ -328,7 +328,7 @@ class Node:
                    orphan: Callable[[Response], None] | None = None,
                    unsent: Callable[[], None] | None = None, always: bool = False) -> Response:
         """One request, retried on a lost connection if ``idempotent``, or if it was never sent;
-        sent even in a quarantine if ``always`` or an UNPIN (refusing a give-back only leaves leases
+        sent even in a quarantine if ``always`` (an UNPIN: refusing a give-back only leaves leases
         behind).
 
         ``orphan``: once sent, the request is seen through even if the caller stops waiting (a
@@ -340,7 +340,7 @@ class Node:
         c = self.client
         sent = False  # whether the server may have the request
         try:
-            if not (always or isinstance(msg, Unpin)):
+            if not always:
                 self.check_up()
             attempts = 1 + c.retries
             for attempt in range(attempts):
