@@ -17,7 +17,7 @@ import socket
 import ssl
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import ServerConfig, format_size
 from kvstore.sockets import bracketed
@@ -25,10 +25,12 @@ from kvstore.store import BlockStore
 
 from .auth import EncryptedKey, TokenTable, server_tls_context, warn_if_exposed
 from .connection import Connection, RejectedConnection
-from .metrics import MetricsServer
-from .redis_tier import RedisTier
 from .service import Service, Session
 from .shm import bind_unix_listener, check_unix_path, remove_unix_listener
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
+    from .redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,15 @@ def _fit_open_file_limit(max_connections: int, reserve: int) -> int:
     return fit
 
 
+def _backing_tier(config: ServerConfig) -> RedisTier | None:
+    """The Redis tier the config asks for, or ``None``. redis-py is imported only then: it is
+    a third of a memory-only server's start-up."""
+    if not config.redis and not config.redis_cluster:
+        return None
+    from .redis_tier import RedisTier
+    return RedisTier.from_config(config)
+
+
 #: Signals that stop the server gracefully (drain, flush the write-behind queue, exit 0).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -170,7 +181,7 @@ class Server:
         config.check()
         tokens = _load_tokens(config.token_file)
         self.tls = _tls_context(config)
-        self.tier = RedisTier.from_config(config)  # None: memory only (connects later, in serve_forever)
+        self.tier = _backing_tier(config)  # None: memory only (connects later, in serve_forever)
         _check_bindable(config.host, config.port, "--port")  # and the ports (listened on once pre-faulted)
         _check_bindable(config.host, config.metrics_port, "--metrics-port")
         if config.unix:
@@ -365,6 +376,7 @@ class Server:
     async def _start_metrics(self) -> None:
         if self.config.metrics_port is None:
             return
+        from .metrics import MetricsServer  # (prometheus-client: only for a server that exports metrics)
         self.metrics = MetricsServer(self.service, self.config.host, self.config.metrics_port,
                                      draining=self._stopping.is_set)
         try:

@@ -30,7 +30,7 @@ from kvstore.store import BlockRef, BlockStore, Keep, Reservation
 from kvstore.throttle import ThrottledLog
 
 from .auth import Grant, TokenTable
-from .metrics import LatencyHistograms
+from .latency import LatencyHistograms
 from .poll import BusyPoll
 from .tier import Tier, TierBlock
 
