@@ -1,10 +1,13 @@
 """One vLLM engine, run as its own process by the tests: ``python engine.py JOB`` (JSON).
 
-JOB: ``model`` (a local model directory), ``prompt`` (token ids), ``max_tokens``, and for an
-engine with kvstore behind it ``addr``, ``namespace`` and ``mark`` (``do_remote_decode`` for a
-P/D prefill, ``do_remote_prefill`` for its decode). ``wait_blocks``: stay until the namespace
-holds that many blocks (vLLM answers before its stores reach the server). Prints one line,
-``RESULT {"tokens": [...], "cached": N, "blocks": N}``.
+JOB: ``model`` (a local model directory), ``steps``, and for an engine with kvstore behind it
+``addr``, ``namespace`` and ``chunk_tokens`` (the offloaded block size). Each step generates
+for its ``prompts`` (token ids) at once, greedily, ``max_tokens`` each, all of them marked with
+``mark`` when given (``do_remote_decode`` for a P/D prefill, ``do_remote_prefill`` for its
+decode). vLLM answers before its stores reach the server, so a step with ``put_keys`` then
+waits until the server has taken that many more keys in PUTs (stored, or already there),
+and a second more. Prints one line, ``RESULT [{"tokens": [[...], ...], "cached": [...],
+"stored": N, "existed": N}, ...]``, a step each.
 
 vLLM starts its engine core as a child process by spawning: hence the ``__main__`` guard.
 """
@@ -14,6 +17,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+
+def put_keys(addr: str) -> tuple[int, int]:
+    """Keys the server has stored, and keys PUT again that it already had."""
+    from kvstore.client import KVClient
+
+    with KVClient(addr) as kv:
+        store = kv.stats()["store"]
+    return store["stored"], store["dedup"]
 
 
 def main() -> None:
@@ -21,7 +34,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {}
+    kw: dict[str, Any] = {}
     if job.get("addr"):
         kw["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -32,22 +45,23 @@ def main() -> None:
     # (the CPU backend's attention takes GPU blocks of a multiple of 32 tokens)
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=1024, block_size=32, seed=0, **kw)
-    extra = {"kv_transfer_params": {job["mark"]: True}} if job.get("mark") else None
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, extra_args=extra)
-    out = llm.generate([TokensPrompt(prompt_token_ids=job["prompt"])], params, use_tqdm=False)[0]
-    blocks = 0
-    if job.get("wait_blocks"):
-        from kvstore.client import KVClient
-
-        with KVClient(job["addr"]) as kv:
+    results = []
+    for step in job["steps"]:
+        before = put_keys(job["addr"]) if step.get("put_keys") else (0, 0)
+        extra = {"kv_transfer_params": {step["mark"]: True}} if step.get("mark") else None
+        params = SamplingParams(temperature=0, max_tokens=step["max_tokens"], detokenize=False, extra_args=extra)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], params, use_tqdm=False)
+        stored = existed = 0
+        if step.get("put_keys"):
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                blocks = kv.stats()["namespaces"].get(job["namespace"], {}).get("blocks", 0)
-                if blocks >= job["wait_blocks"]:
-                    break
+            while stored + existed < step["put_keys"] and time.monotonic() < deadline:
                 time.sleep(0.1)
-    print("RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                                  "blocks": blocks}), flush=True)
+                stored, existed = (now - then for now, then in zip(put_keys(job["addr"]), before))
+            time.sleep(1)  # (a PUT more than asked for would count too)
+            stored, existed = (now - then for now, then in zip(put_keys(job["addr"]), before))
+        results.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                        "cached": [o.num_cached_tokens for o in outs], "stored": stored, "existed": existed})
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

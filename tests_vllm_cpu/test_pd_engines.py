@@ -1,9 +1,9 @@
-"""P/D disaggregation with real vLLM engines: a prefill engine stores a prompt's KV cache in
-kvstore, a decode engine in another process loads it and generates from it.
+"""P/D disaggregation with real vLLM engines: prefill engines store prompts' KV caches in
+kvstore, a decode engine in another process loads them and generates from them.
 
 Each engine is a separate process (``engine.py``) running vLLM's CPU build on a tiny model,
 greedy, so the tokens a decode engine generates from loaded KV can be compared with the tokens
-the model generates from KV it computed itself.
+the model generated from KV it computed.
 """
 
 from __future__ import annotations
@@ -21,15 +21,25 @@ from kvstore.client import KVClient
 from kvstore.server.process import ServerProcess
 
 ENGINE = Path(__file__).with_name("engine.py")
-CHUNK_TOKENS = 64  # offloaded chunk: 2 of the engine's 32-token blocks
-PROMPT = [(i * 7 + 3) % 500 + 3 for i in range(300)]  # 4 whole chunks (256 tokens), then 44 tokens
-PROMPT_CHUNKS = len(PROMPT) // CHUNK_TOKENS
+CHUNK = 64  # tokens of an offloaded chunk: 2 of the engine's 32-token blocks
 MAX_TOKENS = 16
 
 
-def run_engine(model: Path, **job: Any) -> dict[str, Any]:
-    """Run one engine to the end; its RESULT line."""
-    job = {"model": str(model), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "chunk_tokens": CHUNK_TOKENS, **job}
+def tokens(n: int, step: int, start: int = 3) -> list[int]:
+    return [(i * step + start) % 500 + 3 for i in range(n)]
+
+
+P0 = tokens(300, 7)  # 4 whole chunks, then 44 tokens
+P1 = P0[:128] + tokens(200, 11)  # 5 whole chunks, the first 2 P0's
+P2 = tokens(200, 13, 1)  # 3 whole chunks, none shared
+P3 = P0[:256] + tokens(100, 17)  # P0's 4 whole chunks, then one of its own
+P4 = P0[:256] + tokens(100, 19)  # the same, then another
+PROMPTS = [P0, P1, P2]
+
+
+def run_engine(model: Path, *steps: dict[str, Any], **job: Any) -> list[dict[str, Any]]:
+    """Run one engine through its steps (``engine.py``); its result of each."""
+    job = {"model": str(model), "chunk_tokens": CHUNK, "steps": [{"max_tokens": MAX_TOKENS, **s} for s in steps], **job}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(job)], capture_output=True, text=True,
                           env=env, timeout=300)
@@ -46,33 +56,54 @@ def served(srv: ServerProcess) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def stored(models: dict[str, Path], kvstore_server: ServerProcess) -> dict[str, Any]:
-    """A prefill engine of model "a" with kvstore behind it, the prompt marked for a remote decode:
-    its tokens (computed from its own KV: the store was empty) and what it left in the store."""
-    result = run_engine(models["a"], addr=kvstore_server.addr, namespace="pd", mark="do_remote_decode",
-                        wait_blocks=PROMPT_CHUNKS)
-    assert result["cached"] == 0 and len(result["tokens"]) == MAX_TOKENS
-    assert result["blocks"] == PROMPT_CHUNKS  # every whole chunk of the prompt is in the store
-    return result
+def prefilled(models: dict[str, Path], kvstore_server: ServerProcess) -> dict[str, Any]:
+    """A prefill engine of model "a", the prompts marked for a remote decode: its tokens, from KV
+    it computed (the store was empty), and the chunks it stored."""
+    (step,) = run_engine(models["a"], {"prompts": PROMPTS, "mark": "do_remote_decode", "put_keys": 10},
+                         addr=kvstore_server.addr, namespace="pd")
+    assert [c % CHUNK for c in step["cached"]] == [0, 0, 0]  # (at most the local prefix cache: P1's 2 chunks of P0)
+    assert step["stored"] == 4 + 3 + 3  # every whole chunk of each prompt, once
+    return step
 
 
-def test_a_decode_engine_generates_from_the_stored_kv_what_the_model_generates_from_its_own(
-        models: dict[str, Path], kvstore_server: ServerProcess, stored: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def restated(models: dict[str, Path], kvstore_server: ServerProcess, prefilled: dict[str, Any]) -> list[dict[str, Any]]:
+    """A second prefill engine: P3 loads P0's 4 chunks from the store, computes its fifth, and is
+    marked for a remote decode; then P4, the same but not marked."""
+    return run_engine(models["a"], {"prompts": [P3], "mark": "do_remote_decode", "put_keys": 1},
+                      {"prompts": [P4], "put_keys": 1}, addr=kvstore_server.addr, namespace="pd")
+
+
+def test_a_decode_engine_generates_from_the_stored_kv_what_the_model_generated_from_its_own(
+        models: dict[str, Path], kvstore_server: ServerProcess, prefilled: dict[str, Any],
+        restated: list[dict[str, Any]]) -> None:
     gets, sent = served(kvstore_server)
-    decode = run_engine(models["a"], addr=kvstore_server.addr, namespace="pd", mark="do_remote_prefill")
-    assert decode["cached"] == PROMPT_CHUNKS * CHUNK_TOKENS  # the prompt's whole chunks were loaded, not computed
+    (decode,) = run_engine(models["a"], {"prompts": PROMPTS + [P3], "mark": "do_remote_prefill"},
+                           addr=kvstore_server.addr, namespace="pd")
+    assert decode["cached"] == [256, 320, 192, 320]  # each prompt's whole chunks were loaded, not computed
     after_gets, after_sent = served(kvstore_server)
-    assert after_gets > gets and after_sent - sent >= PROMPT_CHUNKS * 64 * 1024  # (2 layers x K,V x 64 x 64 x 4 B)
-    assert decode["tokens"] == stored["tokens"]
+    # 11 chunks: P1 and P3 share 2 and 4 of P0's, which the engine loads once
+    assert after_gets > gets and after_sent - sent >= 11 * 64 * 1024  # (a chunk: 2 layers x K,V x 64 x 64 x 4 B)
+    assert decode["tokens"] == prefilled["tokens"] + restated[0]["tokens"]
+
+
+def test_a_prefill_marked_for_a_remote_decode_stores_the_prefix_it_loaded_too(restated: list[dict[str, Any]]) -> None:
+    """The seed's rule, in a real engine: the marked request PUTs its loaded prefix with the chunk it
+    computed (so a decode node finds the whole prompt even if the prefix was evicted since); the
+    other request only the chunk it computed."""
+    marked, plain = restated
+    assert marked["cached"] == [256] and (marked["stored"], marked["existed"]) == (1, 4)
+    assert plain["cached"] == [256] and (plain["stored"], plain["existed"]) == (1, 0)
 
 
 def test_the_decode_engines_tokens_come_from_the_loaded_kv(models: dict[str, Path], kvstore_server: ServerProcess,
-                                                           stored: dict[str, Any]) -> None:
-    """The check above can fail: model "b" stores the prompt's KV in another namespace, model "a"
-    decodes from it, and its tokens are no longer those it generates from its own KV."""
+                                                           prefilled: dict[str, Any]) -> None:
+    """The first check can fail: model "b" stores P0's KV in another namespace, model "a" decodes
+    from it, and its tokens are no longer those it generated from its own KV."""
     addr, ns = kvstore_server.addr, "other-weights"
-    prefill = run_engine(models["b"], addr=addr, namespace=ns, mark="do_remote_decode", wait_blocks=PROMPT_CHUNKS)
-    assert prefill["blocks"] == PROMPT_CHUNKS and prefill["tokens"] != stored["tokens"]
-    decode = run_engine(models["a"], addr=addr, namespace=ns, mark="do_remote_prefill")
-    assert decode["cached"] == PROMPT_CHUNKS * CHUNK_TOKENS
-    assert decode["tokens"] != stored["tokens"]
+    (prefill,) = run_engine(models["b"], {"prompts": [P0], "mark": "do_remote_decode", "put_keys": 4},
+                            addr=addr, namespace=ns)
+    assert prefill["stored"] == 4 and prefill["tokens"][0] != prefilled["tokens"][0]
+    (decode,) = run_engine(models["a"], {"prompts": [P0], "mark": "do_remote_prefill"}, addr=addr, namespace=ns)
+    assert decode["cached"] == [256]
+    assert decode["tokens"][0] != prefilled["tokens"][0]
