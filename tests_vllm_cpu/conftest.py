@@ -52,7 +52,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def kvstore_server() -> Iterator[ServerProcess]:
-    """A real kvstore-server on 127.0.0.1 (any free port), stopped after the module."""
-    with ServerProcess("--capacity", "256MiB") as srv:
+def unix_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The server's Unix socket: a same-host client naming it maps the server's block memory."""
+    return str(tmp_path_factory.mktemp("sock") / "kv.sock")
+
+
+@pytest.fixture(scope="module")
+def kvstore_server(unix_path: str) -> Iterator[ServerProcess]:
+    """A real kvstore-server on 127.0.0.1 (any free port) and ``unix_path``, stopped after the module."""
+    with ServerProcess("--capacity", "256MiB", "--unix", unix_path) as srv:
         yield srv

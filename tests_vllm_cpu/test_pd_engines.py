@@ -48,11 +48,15 @@ def run_engine(model: Path, *steps: dict[str, Any], **job: Any) -> list[dict[str
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def stats(srv: ServerProcess) -> dict[str, Any]:
+    with KVClient(srv.addr) as kv:
+        return kv.stats()
+
+
 def served(srv: ServerProcess) -> tuple[int, int]:
     """GET requests the server answered, and the bytes it sent."""
-    with KVClient(srv.addr) as kv:
-        stats = kv.stats()
-    return stats["requests"].get("get", 0), stats["bytes_out"]
+    st = stats(srv)
+    return st["requests"].get("get", 0), st["bytes_out"]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +71,16 @@ def prefilled(models: dict[str, Path], kvstore_server: ServerProcess) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def restated(models: dict[str, Path], kvstore_server: ServerProcess, prefilled: dict[str, Any]) -> list[dict[str, Any]]:
+def restated(models: dict[str, Path], kvstore_server: ServerProcess, unix_path: str,
+             prefilled: dict[str, Any]) -> list[dict[str, Any]]:
     """A second prefill engine: P3 loads P0's 4 chunks from the store, computes its fifth, and is
-    marked for a remote decode; then P4, the same but not marked."""
-    return run_engine(models["a"], {"prompts": [P3], "mark": "do_remote_decode", "put_keys": 1},
-                      {"prompts": [P4], "put_keys": 1}, addr=kvstore_server.addr, namespace="pd")
+    marked for a remote decode; then P4, the same but not marked. This engine is on the server's
+    host and names its Unix socket: it reads the chunks out of the server's shared memory."""
+    shm_gets = stats(kvstore_server)["shm"]["gets"]
+    steps = run_engine(models["a"], {"prompts": [P3], "mark": "do_remote_decode", "put_keys": 1},
+                       {"prompts": [P4], "put_keys": 1}, addr=f"unix:{unix_path}", namespace="pd")
+    assert stats(kvstore_server)["shm"]["gets"] > shm_gets
+    return steps
 
 
 def test_a_decode_engine_generates_from_the_stored_kv_what_the_model_generated_from_its_own(
