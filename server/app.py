@@ -163,7 +163,7 @@ def _fit_open_file_limit(max_connections: int, reserve: int) -> int:
 
 def _backing_tier(config: ServerConfig) -> RedisTier | None:
     """The Redis tier the config asks for, or ``None``. redis-py is imported only then: it is
-    a third of a memory-only server's start-up."""
+    a quarter of a memory-only server's start-up."""
     if not config.redis and not config.redis_cluster:
         return None
     from .redis_tier import RedisTier

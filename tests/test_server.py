@@ -413,9 +413,10 @@ def test_sighup_drains_and_exits_zero_like_sigterm(make_server) -> None:
     assert any("stopping: draining" in line for line in srv.log) and any("stopped" in line for line in srv.log)
 
 
-def test_the_server_imports_redis_and_prometheus_only_when_asked_for_them_and_never_torch(tmp_path) -> None:
+def test_the_server_imports_neither_redis_nor_prometheus_nor_torch_until_its_flags_ask(tmp_path) -> None:
     """torch is the client's extra; redis-py and prometheus-client were 40 % of the start-up of a
-    server that uses neither (235 against 145 ms here), and tests and restarts pay it each time."""
+    server that uses neither (235 against 145 ms here), and tests and restarts pay it each time.
+    (--redis and --metrics-port import them: their own tests use them.)"""
     code = ("import sys, kvstore.server.cli; "
             "print(' '.join(m for m in ('torch', 'redis', 'prometheus_client') if m in sys.modules) or 'none')")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
