@@ -26,14 +26,14 @@ except importlib.metadata.PackageNotFoundError:  # a clear refusal, not a silent
 from kvstore.server.process import ServerProcess  # noqa: E402
 
 
-def write_tiny_model(path: Path, seed: int) -> Path:
-    """A Llama with 2 layers, one KV head of 64 (the CPU attention's smallest head size) and
-    random weights drawn from ``seed``: large enough that its tokens depend on every KV byte."""
+def write_tiny_model(path: Path, seed: int, kv_heads: int = 1) -> Path:
+    """A Llama with 2 layers, ``kv_heads`` KV heads of 64 (the CPU attention's smallest head size)
+    and random weights drawn from ``seed``: large enough that its tokens depend on every KV byte."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -46,9 +46,11 @@ def write_tiny_model(path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two models of the same shape, "a" and "b", with different weights."""
+    """Two models of the same shape, "a" and "b", with different weights; and "tp2", with a KV
+    head for each of two tensor-parallel ranks."""
     root = tmp_path_factory.mktemp("models")
-    return {name: write_tiny_model(root / name, seed) for seed, name in enumerate("ab")}
+    made = {name: write_tiny_model(root / name, seed) for seed, name in enumerate("ab")}
+    return {**made, "tp2": write_tiny_model(root / "tp2", 2, kv_heads=2)}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """One vLLM engine, run as its own process by the tests: ``python engine.py JOB`` (JSON).
 
-JOB: ``model`` (a local model directory), ``steps``, and for an engine with kvstore behind it
+JOB: ``model`` (a local model directory), ``tp`` (tensor-parallel ranks, one worker process
+each; 1 by default), ``steps``, and for an engine with kvstore behind it
 ``addr``, ``namespace`` and ``chunk_tokens`` (the offloaded block size). Each step generates
 for its ``prompts`` (token ids) at once, greedily, ``max_tokens`` each, all of them marked with
 ``mark`` when given (``do_remote_decode`` for a P/D prefill, ``do_remote_prefill`` for its
@@ -44,7 +45,7 @@ def main() -> None:
                 "block_size": job["chunk_tokens"], "kvstore_addr": job["addr"], "kvstore_namespace": job["namespace"]}}
     # (the CPU backend's attention takes GPU blocks of a multiple of 32 tokens)
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-              max_model_len=1024, block_size=32, seed=0, **kw)
+              max_model_len=1024, block_size=32, seed=0, tensor_parallel_size=job.get("tp", 1), **kw)
     results = []
     for step in job["steps"]:
         before = put_keys(job["addr"]) if step.get("put_keys") else (0, 0)

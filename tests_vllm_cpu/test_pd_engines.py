@@ -41,6 +41,8 @@ def run_engine(model: Path, *steps: dict[str, Any], **job: Any) -> list[dict[str
     """Run one engine through its steps (``engine.py``); its result of each."""
     job = {"model": str(model), "chunk_tokens": CHUNK, "steps": [{"max_tokens": MAX_TOKENS, **s} for s in steps], **job}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if job.get("tp", 1) > 1:  # (vLLM binds each rank's threads to a NUMA node of its own, unless told: a core each)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(job["tp"]))
     proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(job)], capture_output=True, text=True,
                           env=env, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -116,3 +118,19 @@ def test_the_decode_engines_tokens_come_from_the_loaded_kv(models: dict[str, Pat
     (decode,) = run_engine(models["a"], {"prompts": [P0], "mark": "do_remote_prefill"}, addr=addr, namespace=ns)
     assert decode["cached"] == [256]
     assert decode["tokens"][0] != prefilled["tokens"][0]
+
+
+def test_each_tensor_parallel_rank_stores_and_loads_its_own_slice(models: dict[str, Path],
+                                                                  kvstore_server: ServerProcess) -> None:
+    """Two ranks, a worker process each holding one of the model's two KV heads: every chunk is
+    two blocks on the server, a rank's half each, and a decode engine of two ranks loads them back
+    into the right workers (a rank that took the other's half would attend with the other head's KV)."""
+    addr, ns, steps = kvstore_server.addr, "tp2", {"prompts": [P0], "max_tokens": 8}
+    (prefill,) = run_engine(models["tp2"], {**steps, "mark": "do_remote_decode", "put_keys": 8},
+                            addr=addr, namespace=ns, tp=2)
+    assert prefill["stored"] == 4 * 2 and prefill["cached"] == [0]
+    half = 2 * 2 * CHUNK * 64 * 4  # a rank's slice of a chunk: 2 layers x K,V x 64 tokens x one head of 64 x 4 B
+    assert 8 * half <= stats(kvstore_server)["namespaces"][ns]["bytes"] < 8 * (half + 1024)  # (+ a header each)
+    (decode,) = run_engine(models["tp2"], {**steps, "mark": "do_remote_prefill"}, addr=addr, namespace=ns, tp=2)
+    assert decode["cached"] == [256]
+    assert decode["tokens"] == prefill["tokens"]
