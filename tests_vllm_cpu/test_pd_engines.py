@@ -8,10 +8,13 @@ the model generated from KV it computed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +46,31 @@ def run_engine(model: Path, *steps: dict[str, Any], **job: Any) -> list[dict[str
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     if job.get("tp", 1) > 1:  # (vLLM binds each rank's threads to a NUMA node of its own, unless told: a core each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(job["tp"]))
-    proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(job)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # (a session of its own: vLLM's engine core and workers are its children, stopped with it)
+    proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        out = "(timed out after 300 s)\n" + out
+    finally:
+        stop_session(proc.pid)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def stop_session(pgid: int, grace: float = 10.0) -> None:
+    """Give what is left of an engine's session (vLLM's resource tracker cleaning up after it) a
+    few seconds to end, then kill it."""
+    deadline = time.monotonic() + grace
+    with contextlib.suppress(ProcessLookupError):
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def stats(srv: ServerProcess) -> dict[str, Any]:
