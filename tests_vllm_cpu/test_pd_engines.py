@@ -88,7 +88,8 @@ def served(srv: ServerProcess) -> tuple[int, int]:
 def prefilled(models: dict[str, Path], kvstore_server: ServerProcess) -> dict[str, Any]:
     """A prefill engine of model "a", the prompts marked for a remote decode: its tokens, from KV
     it computed (the store was empty), and the chunks it stored."""
-    (step,) = run_engine(models["a"], {"prompts": PROMPTS, "mark": "do_remote_decode", "put_keys": 10},
+    # 12 keys PUT: P1 restates the 2 chunks it shares with P0, as a prompt marked so does
+    (step,) = run_engine(models["a"], {"prompts": PROMPTS, "mark": "do_remote_decode", "put_keys": 12},
                          addr=kvstore_server.addr, namespace="pd")
     assert [c % CHUNK for c in step["cached"]] == [0, 0, 0]  # (at most the local prefix cache: P1's 2 chunks of P0)
     assert step["stored"] == 4 + 3 + 3  # every whole chunk of each prompt, once
