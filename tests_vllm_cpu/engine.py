@@ -7,7 +7,10 @@ for its ``prompts`` (token ids) at once, greedily, ``max_tokens`` each, all of t
 ``mark`` when given (``do_remote_decode`` for a P/D prefill, ``do_remote_prefill`` for its
 decode). vLLM answers before its stores reach the server, so a step with ``put_keys`` then
 waits until the server has taken that many more keys in PUTs (stored, or already there),
-and a second more. Prints one line, ``RESULT [{"tokens": [[...], ...], "cached": [...],
+and a second more. With ``pause``, the engine prints ``PAUSED i`` before each step i after the
+first and waits for a line on its stdin (the test restarts the server meanwhile, say).
+``policy`` is vLLM's ``kv_load_failure_policy`` (``fail`` by default) and ``quarantine_s`` the
+adapter's ``kvstore_quarantine_s``. Prints one line, ``RESULT [{"tokens": [[...], ...], "cached": [...],
 "stored": N, "existed": N}, ...]``, a step each.
 
 vLLM starts its engine core as a child process by spawning: hence the ``__main__`` guard.
@@ -39,15 +42,19 @@ def main() -> None:
     if job.get("addr"):
         kw["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_load_failure_policy": "fail", "kv_role": "kv_both",
+            "kv_load_failure_policy": job.get("policy", "fail"), "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "KVStoreOffloadingSpec", "spec_module_path": "kvstore.integrations.vllm",
-                "block_size": job["chunk_tokens"], "kvstore_addr": job["addr"], "kvstore_namespace": job["namespace"]}}
+                "block_size": job["chunk_tokens"], "kvstore_addr": job["addr"], "kvstore_namespace": job["namespace"],
+                **({"kvstore_quarantine_s": job["quarantine_s"]} if "quarantine_s" in job else {})}}
     # (the CPU backend's attention takes GPU blocks of a multiple of 32 tokens)
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=1024, block_size=32, seed=0, tensor_parallel_size=job.get("tp", 1), **kw)
     results = []
-    for step in job["steps"]:
+    for i, step in enumerate(job["steps"]):
+        if job.get("pause") and i:
+            print(f"PAUSED {i}", flush=True)
+            sys.stdin.readline()
         before = put_keys(job["addr"]) if step.get("put_keys") else (0, 0)
         extra = {"kv_transfer_params": {step["mark"]: True}} if step.get("mark") else None
         params = SamplingParams(temperature=0, max_tokens=step["max_tokens"], detokenize=False, extra_args=extra)

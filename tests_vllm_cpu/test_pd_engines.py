@@ -14,7 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +43,38 @@ P4 = P0[:256] + tokens(100, 19)  # the same, then another
 PROMPTS = [P0, P1, P2]
 
 
-def run_engine(model: Path, *steps: dict[str, Any], **job: Any) -> list[dict[str, Any]]:
-    """Run one engine through its steps (``engine.py``); its result of each."""
-    job = {"model": str(model), "chunk_tokens": CHUNK, "steps": [{"max_tokens": MAX_TOKENS, **s} for s in steps], **job}
+def run_engine(model: Path, *steps: dict[str, Any], between: Callable[[int], None] | None = None,
+               **job: Any) -> list[dict[str, Any]]:
+    """Run one engine through its steps (``engine.py``); its result of each. ``between(i)``, if
+    given, runs before step i after the first, the engine waiting for it."""
+    job = {"model": str(model), "chunk_tokens": CHUNK, "steps": [{"max_tokens": MAX_TOKENS, **s} for s in steps],
+           "pause": between is not None, **job}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     if job.get("tp", 1) > 1:  # (vLLM binds each rank's threads to a NUMA node of its own, unless told: a core each)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(job["tp"]))
     # (a session of its own: vLLM's engine core and workers are its children, stopped with it)
-    proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(job)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        out = "(timed out after 300 s)\n" + out
-    finally:
-        stop_session(proc.pid)
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}"
+    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+            [sys.executable, str(ENGINE), json.dumps(job)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=err, text=True, env=env, start_new_session=True) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        timer = threading.Timer(300, os.killpg, (proc.pid, signal.SIGKILL))  # (its stdout then ends)
+        timer.start()
+        out = []
+        try:
+            for line in proc.stdout:
+                out.append(line)
+                if line.startswith("PAUSED ") and between is not None:
+                    between(int(line.split()[1]))
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+            proc.wait()
+        finally:
+            timer.cancel()
+            stop_session(proc.pid)
+        err.seek(0)
+        log = err.read()
+    lines = [line for line in out if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine exited {proc.returncode} (-9: killed, after 300 s or by a test):\n{''.join(out)[-3000:]}\n{log[-6000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -142,6 +158,41 @@ def test_the_decode_engines_tokens_come_from_the_loaded_kv(models: dict[str, Pat
     (decode,) = run_engine(models["a"], {"prompts": [P0], "mark": "do_remote_prefill"}, addr=addr, namespace=ns)
     assert decode["cached"] == [256]
     assert decode["tokens"][0] != prefilled["tokens"][0]
+
+
+def test_an_engine_goes_on_through_a_restart_of_its_server(models: dict[str, Path],
+                                                          prefilled: dict[str, Any]) -> None:
+    """The store is a cache: an engine whose server is killed between two steps computes what it
+    can neither load nor store, with the model's own tokens, and once a server listens at that
+    address again (empty: memory only) stores its chunks there. Nobody restarts the engine."""
+    first = ServerProcess("--capacity", "64MiB").start()
+    servers = [first]
+
+    def between(step: int) -> None:
+        if step == 1:
+            first.kill()  # SIGKILL: a crash, connections reset
+        else:
+            servers.append(ServerProcess("--capacity", "64MiB", "--port", str(first.port)).start())
+
+    try:
+        # kvstore_quarantine_s 0: every lookup and store asks (and a refused connect is quick), so
+        # the first step after the restart finds the server without waiting out a quarantine
+        before, down, after = run_engine(
+            models["a"], {"prompts": [P2], "mark": "do_remote_decode", "put_keys": 3},
+            {"prompts": [P0], "mark": "do_remote_decode"},
+            {"prompts": [P1], "mark": "do_remote_decode", "put_keys": 5},
+            between=between, addr=first.addr, namespace="restart", policy="recompute", quarantine_s=0)
+        assert len(servers) == 2
+        new_server = stats(servers[1])
+    finally:
+        for srv in servers:
+            srv.stop()
+    assert before["stored"] == 3 and before["tokens"] == [prefilled["tokens"][2]]
+    assert down["cached"] == [0] and down["tokens"] == [prefilled["tokens"][0]]
+    # P1's 5 chunks, the 2 it shares with P0 too (computed while the server was down, in vLLM's own
+    # prefix cache now): the marked prompt stores its whole prefix
+    assert (after["stored"], after["existed"]) == (5, 0) and after["tokens"] == [prefilled["tokens"][1]]
+    assert new_server["namespaces"]["restart"]["blocks"] == 5
 
 
 def test_each_tensor_parallel_rank_stores_and_loads_its_own_slice(models: dict[str, Path],
