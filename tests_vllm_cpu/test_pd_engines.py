@@ -160,6 +160,21 @@ def test_the_decode_engines_tokens_come_from_the_loaded_kv(models: dict[str, Pat
     assert decode["tokens"][0] != prefilled["tokens"][0]
 
 
+def test_a_sliding_window_model_loads_the_window_it_needs(models: dict[str, Path],
+                                                          kvstore_server: ServerProcess) -> None:
+    """A Mistral whose layers see only the last 128 tokens (2 chunks): vLLM frees a prompt's
+    chunks that fall out of its window as it goes, so the prefill engine stores each prompt's
+    last two whole chunks, and the decode engine loads those -- counting the whole prompt up to
+    them as cached -- and generates what the model generated from its own KV."""
+    addr, ns = kvstore_server.addr, "swa"
+    (prefill,) = run_engine(models["swa"], {"prompts": [P0, P1], "mark": "do_remote_decode", "put_keys": 4},
+                            addr=addr, namespace=ns)
+    assert prefill["stored"] == 4 and stats(kvstore_server)["namespaces"][ns]["blocks"] == 4
+    (decode,) = run_engine(models["swa"], {"prompts": [P0, P1], "mark": "do_remote_prefill"}, addr=addr, namespace=ns)
+    assert decode["cached"] == [256, 320]
+    assert decode["tokens"] == prefill["tokens"]
+
+
 def test_an_engine_goes_on_through_a_restart_of_its_server(models: dict[str, Path],
                                                           prefilled: dict[str, Any]) -> None:
     """The store is a cache: an engine whose server is killed between two steps computes what it

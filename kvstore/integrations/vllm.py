@@ -431,7 +431,8 @@ class KVStoreOffloadingManager(OffloadingManager):
         self._world_size = world_size
         self._chunk_tokens = {g.group_id: g.tokens_per_block * blocks_per_chunk for g in groups}
         # Sliding-window groups: their window in chunks (a run of that many hits is what vLLM loads).
-        # (vLLM 0.32's group configs have no window: there every group is loaded as full attention.)
+        # (vLLM 0.32's group configs have no window: there every group is asked as full attention,
+        # a prefix from the chunk asked on; 0.32 scans windows from the end, so they are still found.)
         windows = {g.group_id: getattr(g, "sliding_window_size_in_chunks", None) for g in groups}
         self._windows = {group: max(1, w) for group, w in windows.items() if w is not None}
         self._windowed = frozenset(self._windows)
