@@ -26,20 +26,22 @@ except importlib.metadata.PackageNotFoundError:  # a clear refusal, not a silent
 from kvstore.server.process import ServerProcess  # noqa: E402
 
 
-def write_tiny_model(path: Path, seed: int, kv_heads: int = 1, sliding_window: int | None = None) -> Path:
+def write_tiny_model(path: Path, seed: int, kv_heads: int = 1, hybrid: bool = False) -> Path:
     """A Llama with 2 layers, ``kv_heads`` KV heads of 64 (the CPU attention's smallest head size)
     and random weights drawn from ``seed``: large enough that its tokens depend on every KV byte.
-    With a ``sliding_window``, a Mistral: the same, every layer attending to that many tokens back."""
+    ``hybrid``: a Gemma 3 of the same size instead, its first layer attending to the last 128
+    tokens only (a sliding window), its second to all of them."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=kv_heads, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    if sliding_window is None:
-        model = LlamaForCausalLM(LlamaConfig(**shape))
+    if hybrid:  # (untied: Gemma's scaled embeddings through tied weights keep predicting the last token)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=64, sliding_window=128,
+                                                   layer_types=["sliding_attention", "full_attention"]))
     else:
-        model = MistralForCausalLM(MistralConfig(**shape, head_dim=64, sliding_window=sliding_window))
+        model = LlamaForCausalLM(LlamaConfig(**shape))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5)
@@ -50,11 +52,11 @@ def write_tiny_model(path: Path, seed: int, kv_heads: int = 1, sliding_window: i
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two models of the same shape, "a" and "b", with different weights; "tp2", with a KV head
-    for each of two tensor-parallel ranks; and "swa", whose layers see only the last 128 tokens."""
+    for each of two tensor-parallel ranks; and "hybrid", one of whose two layers sees only the last 128 tokens."""
     root = tmp_path_factory.mktemp("models")
     made = {name: write_tiny_model(root / name, seed) for seed, name in enumerate("ab")}
     return {**made, "tp2": write_tiny_model(root / "tp2", 2, kv_heads=2),
-            "swa": write_tiny_model(root / "swa", 3, sliding_window=128)}
+            "hybrid": write_tiny_model(root / "hybrid", 3, hybrid=True)}
 
 
 @pytest.fixture(scope="module")

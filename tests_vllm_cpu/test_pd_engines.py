@@ -160,18 +160,21 @@ def test_the_decode_engines_tokens_come_from_the_loaded_kv(models: dict[str, Pat
     assert decode["tokens"][0] != prefilled["tokens"][0]
 
 
-def test_a_sliding_window_model_loads_the_window_it_needs(models: dict[str, Path],
-                                                          kvstore_server: ServerProcess) -> None:
-    """A Mistral whose layers see only the last 128 tokens (2 chunks): vLLM frees a prompt's
-    chunks that fall out of its window as it goes, so the prefill engine stores each prompt's
-    last two whole chunks, and the decode engine loads those -- counting the whole prompt up to
-    them as cached -- and generates what the model generated from its own KV."""
-    addr, ns = kvstore_server.addr, "swa"
-    (prefill,) = run_engine(models["swa"], {"prompts": [P0, P1], "mark": "do_remote_decode", "put_keys": 4},
+def test_a_model_with_a_sliding_window_layer_loads_both_kinds_of_kv(models: dict[str, Path],
+                                                                    kvstore_server: ServerProcess) -> None:
+    """A Gemma 3 whose first layer sees only the last 128 tokens (2 chunks) and whose second sees
+    all: two KV-cache groups. vLLM frees the windowed layer's chunks that fall out of its window
+    as it goes, so the prefill engine stores each prompt's whole chunks of the full layer and
+    only the last two of the windowed one; the decode engine loads both, counts the prompts up to
+    them as cached, and generates what the model generated from its own KV."""
+    addr, ns = kvstore_server.addr, "hybrid"
+    (prefill,) = run_engine(models["hybrid"], {"prompts": [P0, P2], "mark": "do_remote_decode", "put_keys": 11},
                             addr=addr, namespace=ns)
-    assert prefill["stored"] == 4 and stats(kvstore_server)["namespaces"][ns]["blocks"] == 4
-    (decode,) = run_engine(models["swa"], {"prompts": [P0, P1], "mark": "do_remote_prefill"}, addr=addr, namespace=ns)
-    assert decode["cached"] == [256, 320]
+    assert prefill["stored"] == (4 + 3) + (2 + 2)  # (P0's and P2's whole chunks; of the windowed layer two each)
+    assert stats(kvstore_server)["namespaces"][ns]["blocks"] == 11
+    (decode,) = run_engine(models["hybrid"], {"prompts": [P0, P2], "mark": "do_remote_prefill"},
+                           addr=addr, namespace=ns)
+    assert decode["cached"] == [256, 192]
     assert decode["tokens"] == prefill["tokens"]
 
 
