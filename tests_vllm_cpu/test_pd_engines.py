@@ -74,7 +74,8 @@ def run_engine(model: Path, *steps: dict[str, Any], between: Callable[[int], Non
         err.seek(0)
         log = err.read()
     lines = [line for line in out if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine exited {proc.returncode} (-9: killed, after 300 s or by a test):\n{''.join(out)[-3000:]}\n{log[-6000:]}"
+    assert proc.returncode == 0 and lines, (f"engine exited {proc.returncode} (-9: killed, as after 300 s):\n"
+                                            f"{''.join(out)[-3000:]}\n{log[-6000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
