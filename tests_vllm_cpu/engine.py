@@ -9,7 +9,9 @@ decode). vLLM answers before its stores reach the server, so a step with ``put_k
 waits until the server has taken that many more keys in PUTs (stored, or already there),
 and a second more. With ``pause``, the engine prints ``PAUSED i`` before each step i after the
 first and waits for a line on its stdin (the test restarts the server meanwhile, say).
-``policy`` is vLLM's ``kv_load_failure_policy`` (``fail`` by default) and ``quarantine_s`` the
+A step with ``forget`` first empties vLLM's own prefix cache, so what the engine has computed
+before must come from the server again. ``policy`` is vLLM's ``kv_load_failure_policy``
+(``fail`` by default) and ``quarantine_s`` the
 adapter's ``kvstore_quarantine_s``. Prints one line, ``RESULT [{"tokens": [[...], ...], "cached": [...],
 "stored": N, "existed": N}, ...]``, a step each.
 
@@ -55,6 +57,8 @@ def main() -> None:
         if job.get("pause") and i:
             print(f"PAUSED {i}", flush=True)
             sys.stdin.readline()
+        if step.get("forget"):
+            assert llm.reset_prefix_cache()
         before = put_keys(job["addr"]) if step.get("put_keys") else (0, 0)
         extra = {"kv_transfer_params": {step["mark"]: True}} if step.get("mark") else None
         params = SamplingParams(temperature=0, max_tokens=step["max_tokens"], detokenize=False, extra_args=extra)

@@ -8,6 +8,7 @@ the model generated from KV it computed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.client import KVClient
+from kvstore.client import AsyncKVClient, KVClient
 from kvstore.server.process import ServerProcess
 
 ENGINE = Path(__file__).with_name("engine.py")
@@ -179,27 +180,38 @@ def test_a_model_with_a_sliding_window_layer_loads_both_kinds_of_kv(models: dict
     assert decode["tokens"] == prefill["tokens"]
 
 
-def test_an_engine_goes_on_through_a_restart_of_its_server(models: dict[str, Path],
-                                                          prefilled: dict[str, Any]) -> None:
-    """The store is a cache: an engine whose server is killed between two steps computes what it
-    can neither load nor store, with the model's own tokens, and once a server listens at that
-    address again (empty: memory only) stores its chunks there. Nobody restarts the engine."""
+def test_an_engine_goes_on_through_a_crash_of_its_server_and_then_its_memory_gone_bad(
+        models: dict[str, Path], prefilled: dict[str, Any], unix_path: str) -> None:
+    """The store is a cache, and what it returns is checked. Between two steps of an engine the
+    test kills its server: the next step can neither load nor store, and the engine generates the
+    model's own tokens. A new, empty server then listens at that address, and the step after
+    stores its prompt's five chunks there. Nobody restarts the engine. Then the test overwrites
+    all of the new server's block memory (as bad RAM would), the engine forgets its own prefix
+    cache, and the same prompt comes again: the server has its chunks, the engine's loads find
+    them corrupted and delete them, and it computes the prompt itself (``"kv_load_failure_policy":
+    "recompute"``) -- the model never reads the bad bytes -- and, the prompt marked for a remote
+    decode, stores its chunks again. (Unmarked, vLLM 0.32 would not: it stores only the chunks
+    past a load's hits, failed or not.)"""
     first = ServerProcess("--capacity", "64MiB").start()
     servers = [first]
 
     def between(step: int) -> None:
         if step == 1:
             first.kill()  # SIGKILL: a crash, connections reset
+        elif step == 2:  # (the fixture's server listens on unix_path: this one gets a path of its own)
+            servers.append(ServerProcess("--capacity", "64MiB", "--port", str(first.port),
+                                         "--unix", unix_path + ".2").start())
         else:
-            servers.append(ServerProcess("--capacity", "64MiB", "--port", str(first.port)).start())
+            scribble_over_the_arena(unix_path + ".2")
 
     try:
         # kvstore_quarantine_s 0: every lookup and store asks (and a refused connect is quick), so
         # the first step after the restart finds the server without waiting out a quarantine
-        before, down, after = run_engine(
+        before, down, after, corrupted = run_engine(
             models["a"], {"prompts": [P2], "mark": "do_remote_decode", "put_keys": 3},
             {"prompts": [P0], "mark": "do_remote_decode"},
             {"prompts": [P1], "mark": "do_remote_decode", "put_keys": 5},
+            {"prompts": [P1], "mark": "do_remote_decode", "forget": True, "put_keys": 5},
             between=between, addr=first.addr, namespace="restart", policy="recompute", quarantine_s=0)
         assert len(servers) == 2
         new_server = stats(servers[1])
@@ -211,7 +223,28 @@ def test_an_engine_goes_on_through_a_restart_of_its_server(models: dict[str, Pat
     # P1's 5 chunks, the 2 it shares with P0 too (computed while the server was down, in vLLM's own
     # prefix cache now): the marked prompt stores its whole prefix
     assert (after["stored"], after["existed"]) == (5, 0) and after["tokens"] == [prefilled["tokens"][1]]
+    assert corrupted["cached"] == [0] and corrupted["tokens"] == [prefilled["tokens"][1]]
+    assert (corrupted["stored"], corrupted["existed"]) == (5, 0)  # the bad chunks were deleted, then stored anew
+    assert new_server["requests"]["delete"] == 1
     assert new_server["namespaces"]["restart"]["blocks"] == 5
+
+
+def scribble_over_the_arena(unix_path: str) -> None:
+    """Overwrite a server's block memory, mapped as a same-host client maps it: all of it but the
+    first 16 bytes of each page. A block begins on a page, and the adapter's chunks with a 16-byte
+    header of their own, checked on load: left whole, only the checksum tells the chunk is bad."""
+
+    async def scribble() -> None:
+        async with AsyncKVClient(f"unix:{unix_path}", namespace="restart") as kv:
+            await kv.ping()  # (connected and attached)
+            channel = kv.nodes[0].shm
+            assert channel is not None
+            arena, page = channel.segment.buffer, channel.segment.page_size
+            bad = b"\xff" * (page - 16)  # (NaN wherever float32 KV is read)
+            for at in range(0, len(arena), page):
+                arena[at + 16:at + page] = bad
+
+    asyncio.run(scribble())
 
 
 def test_each_tensor_parallel_rank_stores_and_loads_its_own_slice(models: dict[str, Path],
