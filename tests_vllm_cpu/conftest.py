@@ -52,7 +52,8 @@ def write_tiny_model(path: Path, seed: int, kv_heads: int = 1, hybrid: bool = Fa
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two models of the same shape, "a" and "b", with different weights; "tp2", with a KV head
-    for each of two tensor-parallel ranks; and "hybrid", one of whose two layers sees only the last 128 tokens."""
+    for each of two tensor-parallel ranks; and "hybrid", one of whose two layers sees only the
+    last 128 tokens."""
     root = tmp_path_factory.mktemp("models")
     made = {name: write_tiny_model(root / name, seed) for seed, name in enumerate("ab")}
     return {**made, "tp2": write_tiny_model(root / "tp2", 2, kv_heads=2),

@@ -8,12 +8,11 @@ for its ``prompts`` (token ids) at once, greedily, ``max_tokens`` each, all of t
 decode). vLLM answers before its stores reach the server, so a step with ``put_keys`` then
 waits until the server has taken that many more keys in PUTs (stored, or already there),
 and a second more. With ``pause``, the engine prints ``PAUSED i`` before each step i after the
-first and waits for a line on its stdin (the test restarts the server meanwhile, say).
-A step with ``forget`` first empties vLLM's own prefix cache, so what the engine has computed
-before must come from the server again. ``policy`` is vLLM's ``kv_load_failure_policy``
-(``fail`` by default) and ``quarantine_s`` the
-adapter's ``kvstore_quarantine_s``. Prints one line, ``RESULT [{"tokens": [[...], ...], "cached": [...],
-"stored": N, "existed": N}, ...]``, a step each.
+first and waits for a line on its stdin (the test restarts the server meanwhile, say). A step
+with ``forget`` first empties vLLM's own prefix cache, so what the engine computed before must
+come from the server again. ``policy`` is vLLM's ``kv_load_failure_policy`` (``fail`` by
+default) and ``quarantine_s`` the adapter's ``kvstore_quarantine_s``. Prints one line,
+``RESULT [{"tokens": [[...], ...], "cached": [...], "stored": N, "existed": N}, ...]``, a step each.
 
 vLLM starts its engine core as a child process by spawning: hence the ``__main__`` guard.
 """
